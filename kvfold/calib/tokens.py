@@ -1,0 +1,89 @@
+"""What calibration feeds the model: random token ids (as in FDC) or windows of real text.
+
+Each sequence carries a source group (the document its first token comes from; one group for random
+tokens) so ZDC-style pruning can drop a fraction of sequences *per group*, keeping every topic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvfold.errors import KVFoldError
+
+__all__ = ["Sequences", "batches", "prune", "random_sequences", "text_sequences"]
+
+
+@dataclass(frozen=True)
+class Sequences:
+    ids: list[torch.Tensor]  # each [L_i], int64; all L_i == seq_len except maybe the last
+    groups: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.ids)
+
+
+def random_sequences(vocab_size: int, tokens: int, seq_len: int, seed: int) -> Sequences:
+    gen = torch.Generator().manual_seed(seed)
+    stream = torch.randint(0, vocab_size, (tokens,), generator=gen)
+    ids = list(stream.split(seq_len))
+    return Sequences(ids=ids, groups=[0] * len(ids))
+
+
+def text_sequences(tokenizer, docs: list[str], tokens: int, seq_len: int, seed: int) -> Sequences:
+    """Pack documents (seeded order, separated by EOS) into windows until `tokens` are collected."""
+    order = np.random.default_rng(seed).permutation(len(docs))
+    sep = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    stream: list[int] = []
+    doc_of: list[int] = []
+    for i in order:
+        ids = tokenizer(docs[i], add_special_tokens=False)["input_ids"] + sep
+        stream += ids
+        doc_of += [int(i)] * len(ids)
+        if len(stream) >= tokens:
+            break
+    if len(stream) < tokens:
+        raise KVFoldError(f"the text holds only {len(stream)} tokens but --tokens is {tokens}; "
+                          "lower --tokens or give more text")
+    full = torch.tensor(stream[:tokens], dtype=torch.long)
+    ids = list(full.split(seq_len))
+    groups = [doc_of[k * seq_len] for k in range(len(ids))]
+    return Sequences(ids=ids, groups=groups)
+
+
+def prune(seqs: Sequences, fraction: float, seed: int) -> Sequences:
+    """Drop `fraction` of the sequences of each group (seeded). A group of n sequences loses
+    floor(f*n) plus one more with probability frac(f*n), so the expected fraction is exact."""
+    assert 0.0 <= fraction < 1.0, fraction  # validated by the API
+    if fraction == 0.0:
+        return seqs
+    rng = np.random.default_rng(seed)
+    by_group: dict[int, list[int]] = {}
+    for idx, g in enumerate(seqs.groups):
+        by_group.setdefault(g, []).append(idx)
+    drop: set[int] = set()
+    for g in sorted(by_group):
+        members = by_group[g]
+        exact = fraction * len(members)
+        n_drop = int(exact) + int(rng.random() < exact - int(exact))
+        drop.update(rng.choice(members, size=n_drop, replace=False).tolist())
+    keep = [i for i in range(len(seqs.ids)) if i not in drop]
+    if not keep:
+        raise KVFoldError(f"--prune {fraction} leaves no sequence; use a smaller fraction")
+    return Sequences(ids=[seqs.ids[i] for i in keep], groups=[seqs.groups[i] for i in keep])
+
+
+def batches(seqs: Sequences, batch: int) -> Iterator[torch.Tensor]:
+    """Yield [B, L] batches of consecutive equal-length sequences (the short tail goes alone)."""
+    run: list[torch.Tensor] = []
+    for s in seqs.ids:
+        if run and (len(run) == batch or len(s) != len(run[0])):
+            yield torch.stack(run)
+            run = []
+        run.append(s)
+    if run:
+        yield torch.stack(run)

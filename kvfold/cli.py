@@ -1,0 +1,92 @@
+"""`kvfold` command line: parse, call one function of kvfold.api, print. Nothing else lives here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from kvfold import api
+from kvfold.errors import KVFoldError
+from kvfold.report import calib_summary, progress_bar, spectrum_table
+
+app = typer.Typer(
+    help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input and Ctrl-C end in one red line and exit code 2 (api writes outputs atomically)."""
+    try:
+        yield
+    except KVFoldError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        err.print("[red]error:[/red] interrupted; no output was written")
+        raise typer.Exit(2) from None
+
+
+@app.callback()
+def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_path=False)])
+    # transformers' own progress bars and warnings would bury ours
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+@app.command()
+def calibrate(
+    model: Annotated[str, typer.Argument(help="Local HF model folder, or 'smollm2' (embedded default).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write statistics to.")],
+    source: Annotated[str | None, typer.Option(help="random (token ids, as FDC) or text. "
+                                               "Default: text if --text is given, else random.")] = None,
+    text: Annotated[str | None, typer.Option(help="Text file, or wiki:calib (default for text).")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens to run through the model.")] = 16384,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 512,
+    batch: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+    prune: Annotated[float, typer.Option(help="ZDC: drop this fraction of sequences per source group.")] = 0.0,
+    kmeans: Annotated[int | None, typer.Option(help="ZDC: Gram from K count-weighted centroids per head.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for tokens, text order, pruning and K-means.")] = 0,
+    dtype: Annotated[str, typer.Option(help="Model dtype while running: float32 or bfloat16.")] = "float32",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
+) -> None:
+    """Measure post-RoPE Q/K, V and attention-output statistics per head (float64 Grams)."""
+    with user_errors(), progress_bar(err) as bar:
+        result = api.calibrate(model, output, source=source, text=text, tokens=tokens, seq_len=seq_len,
+                               batch=batch, prune_fraction=prune, kmeans=kmeans, seed=seed, dtype=dtype,
+                               force=force, progress=bar)
+    out.print(calib_summary(result))
+
+
+@app.command()
+def inspect(calib_dir: Annotated[Path, typer.Argument(help="A directory written by kvfold calibrate.")]) -> None:
+    """Per layer: dims holding 90/99/99.9% of the singular-value mass of Q, K, V and attention output."""
+    with user_errors():
+        header, rows = api.inspect(calib_dir)
+    out.print(spectrum_table(header, rows))
+
+
+@app.command()
+def prepare(model: Annotated[str, typer.Argument(help="'smollm2' or a local HF model folder.")]) -> None:
+    """Resolve a model (building the embedded default's cache once) and print its folder."""
+    with user_errors():
+        path = api.prepare(model)
+    out.print(str(path))
+
+
+def main() -> None:
+    app()

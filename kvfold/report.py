@@ -1,0 +1,53 @@
+"""Rich renderings of API results (tables, progress). Kept apart so the API returns plain data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvfold.calib.artifact import CalibHeader
+from kvfold.calib.inspect import MASSES, LayerSpectrum
+
+__all__ = ["calib_summary", "progress_bar", "spectrum_table"]
+
+_KIND_NAMES = {"q": "Q (post-RoPE)", "k": "K (post-RoPE)", "v": "V", "o": "attn out"}
+
+
+@contextmanager
+def progress_bar(console: Console) -> Iterator:
+    """Yield `start(total) -> advance(n)` for the API to drive."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
+                  TimeRemainingColumn(), console=console, transient=True) as progress:
+
+        def start(total: int):
+            task = progress.add_task("calibrating", total=total)
+            return lambda n: progress.advance(task, n)
+
+        yield start
+
+
+def calib_summary(result) -> str:
+    h = result.header
+    m = h.model
+    return (f"calibrated {m.spec} ({m.architecture}, {m.num_layers} layers, {m.num_heads}/{m.num_kv_heads} "
+            f"heads, head_dim {m.head_dim}) on {h.tokens} {h.options.source} tokens in "
+            f"{result.seconds_collect:.1f} s -> {result.output}")
+
+
+def spectrum_table(header: CalibHeader, rows: list[LayerSpectrum]) -> Table:
+    levels = "/".join(f"{m:.1%}".replace(".0%", "%") for m in MASSES)
+    table = Table(title=f"Dims (of {header.model.head_dim}) holding {levels} of the singular-value mass, "
+                  f"mean over heads — {header.model.spec}, {header.tokens} {header.options.source} tokens")
+    table.add_column("layer", justify="right")
+    for kind in _KIND_NAMES.values():
+        table.add_column(kind, justify="center")
+    for row in rows:
+        table.add_row(str(row.layer), *("/".join(f"{d:.0f}" for d in row.dims[k]) for k in _KIND_NAMES))
+    means = {k: [sum(r.dims[k][i] for r in rows) / len(rows) for i in range(len(MASSES))] for k in _KIND_NAMES}
+    table.add_section()
+    table.add_row("mean", *("/".join(f"{d:.1f}" for d in means[k]) for k in _KIND_NAMES))
+    return table

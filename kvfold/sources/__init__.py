@@ -1,0 +1,1 @@
+"""Where inputs come from: model folders or aliases, text files or the embedded Wikipedia text."""

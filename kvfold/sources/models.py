@@ -1,0 +1,73 @@
+"""Model resolution: a local HF folder or an alias of the embedded default; identity and loading."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfold.adapters import Adapter, get_adapter
+from kvfold.errors import KVFoldError
+from kvfold.io import sha256_file
+from kvfold.sources.embedded import ALIASES, ensure_embedded
+
+__all__ = ["DTYPES", "ModelRef", "load_model", "resolve_model", "weights_sha256"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    spec: str  # what the user typed
+    path: Path  # the local HF folder
+    architecture: str
+    adapter: Adapter
+
+
+def resolve_model(spec: str) -> ModelRef:
+    """Check a model argument before any heavy work: folder, config, supported architecture."""
+    path = ensure_embedded(spec) if spec in ALIASES else Path(spec)
+    if not path.exists():
+        raise KVFoldError(f"model path '{spec}' does not exist; give a local HF model folder or "
+                          f"one of: {', '.join(ALIASES)}")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise KVFoldError(f"'{spec}' is not a HF model folder (no config.json); give a folder written "
+                          "by save_pretrained")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise KVFoldError(f"cannot read {path / 'config.json'}: {e}; fix or re-save the model") from None
+    archs = config.get("architectures") or []
+    if not archs:
+        raise KVFoldError(f"{path / 'config.json'} names no architecture; re-save it with save_pretrained")
+    if not _weight_files(path):
+        raise KVFoldError(f"'{spec}' has no weight files (*.safetensors or *.bin)")
+    return ModelRef(spec=spec, path=path, architecture=archs[0], adapter=get_adapter(archs[0]))
+
+
+def load_model(ref: ModelRef, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KVFoldError(f"cannot load model '{ref.spec}': {first}") from None
+    return model.eval()
+
+
+def weights_sha256(path: Path) -> str:
+    """One digest over every weight file (name and content), so any changed byte changes it."""
+    h = hashlib.sha256()
+    for f in _weight_files(path):
+        h.update(f.name.encode())
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up, then run the main job on the embedded default: calibrate SmolLM2-135M and show its spectra.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+OUT=${KVFOLD_DEMO_DIR:-${KVFOLD_CACHE:-$HOME/.cache/kvfold}/demo}
+mkdir -p "$OUT"
+.venv/bin/kvfold calibrate smollm2 --source text --text wiki:calib --tokens 16384 -o "$OUT/calib" --force
+.venv/bin/kvfold inspect "$OUT/calib"

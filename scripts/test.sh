@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite: fast unit tests, the real-model tests (slow) and the vLLM tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny seeded random models of every adapter, built once per test run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)
+
+# architecture -> config factory. One row per adapter in kvfold.adapters.ADAPTERS.
+TINY_CONFIGS = {
+    "LlamaForCausalLM": lambda: LlamaConfig(**_COMMON),
+    "MistralForCausalLM": lambda: MistralConfig(**_COMMON, sliding_window=16),
+    "Qwen2ForCausalLM": lambda: Qwen2Config(**_COMMON),
+    "Qwen3ForCausalLM": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "Gemma2ForCausalLM": lambda: Gemma2Config(**_COMMON, head_dim=16, sliding_window=16),
+    "Gemma3ForCausalLM": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=16),
+    "GPT2LMHeadModel": lambda: GPT2Config(vocab_size=VOCAB, n_embd=64, n_head=4, n_layer=2, n_positions=256),
+    "OPTForCausalLM": lambda: OPTConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, ffn_dim=128,
+                                        num_hidden_layers=2, max_position_embeddings=256,
+                                        word_embed_proj_dim=64),
+}
+ROPE_ARCHS = [a for a in TINY_CONFIGS if not a.startswith(("GPT2", "OPT"))]
+
+
+def build_tiny(arch: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32).eval()
+    # HF's default init (std 0.02) gives near-uniform attention; a wider spread makes spectra and
+    # attention patterns non-trivial, so the tests can tell right from wrong.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    assert model.config.architectures == [arch] or type(model).__name__ == arch
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict:
+    """architecture -> a saved HF folder of the tiny model (for API and CLI tests)."""
+    root = tmp_path_factory.mktemp("tiny")
+    dirs = {}
+    for arch in TINY_CONFIGS:
+        model = build_tiny(arch)
+        model.config.architectures = [arch]
+        model.save_pretrained(root / arch)
+        dirs[arch] = root / arch
+    return dirs
