@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,6 @@ from kvfold.sources.models import DTYPES, load_model, resolve_model, weights_sha
 from kvfold.sources.text import resolve_text
 
 __all__ = ["CalibResult", "calibrate", "inspect", "prepare"]
-
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class CalibResult:
@@ -95,7 +91,6 @@ def calibrate(
             tokens=seqs.num_tokens, sequences=len(seqs.ids),
         )
         CalibStats(header=header, grams=grams).save(tmp)
-    log.info("calibrated %s on %d tokens in %.1f s -> %s", model, seqs.num_tokens, t2 - t1, output)
     saved = CalibStats.load(output).header
     return CalibResult(header=saved, output=output, seconds_load=t1 - t0, seconds_collect=t2 - t1)
 
@@ -111,7 +106,11 @@ def _sequences(path: Path, net, docs: list[str] | None, options: CalibOptions):
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            raise KVFoldError(f"'{path}' has no usable tokenizer, which --source text needs; "
+                              "save one beside the model or use --source random") from None
         seqs = text_sequences(tokenizer, docs, options.tokens, options.seq_len, options.seed)
     return prune(seqs, options.prune, options.seed)
 

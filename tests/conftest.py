@@ -16,7 +16,7 @@ from transformers import (
     Qwen3Config,
 )
 
-VOCAB = 128
+VOCAB = 260  # 256 byte tokens + specials of the tiny byte-level tokenizer
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)
 
@@ -49,6 +49,20 @@ def build_tiny(arch: str):
     return model
 
 
+def tiny_tokenizer():
+    """A byte-level tokenizer with no merges: every byte is a token; EOS is id 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["</s>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict:
     """architecture -> a saved HF folder of the tiny model (for API and CLI tests)."""
@@ -58,5 +72,6 @@ def tiny_dirs(tmp_path_factory) -> dict:
         model = build_tiny(arch)
         model.config.architectures = [arch]
         model.save_pretrained(root / arch)
+        tiny_tokenizer().save_pretrained(root / arch)
         dirs[arch] = root / arch
     return dirs

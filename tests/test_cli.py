@@ -1,0 +1,164 @@
+"""The CLI end to end on tiny models: success, and every bad input -> one line, exit 2, no output."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfold.calib.artifact import CalibStats
+from kvfold.cli import app
+
+runner = CliRunner()
+LLAMA = "LlamaForCausalLM"
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, pattern: str, out: Path | None = None):
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:") and pattern in lines[0], lines[0]
+    if out is not None:
+        assert not out.exists()
+        assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def test_calibrate_then_inspect(tiny_dirs, tmp_path):
+    out = tmp_path / "calib"
+    result = run("calibrate", tiny_dirs[LLAMA], "-o", out, "--tokens", 200, "--seq-len", 32, "--batch", 2)
+    assert result.exit_code == 0, result.output
+    stats = CalibStats.load(out)
+    h = stats.header
+    assert h.tokens == 200 and h.options.source == "random" and h.model.architecture == LLAMA
+    assert len(h.model.weights_sha256) == 64 and h.model.num_kv_heads == 2
+    assert set(stats.grams) == {f"layers.{i}.{k}" for i in range(2) for k in "qkvo"}
+    assert stats.gram(0, "k").shape == (2, 16, 16) and stats.gram(0, "q").shape == (4, 16, 16)
+    header = json.loads((out / "calib.json").read_text())
+    assert header["schema_version"] == "1.0" and header["torch_version"] and header["transformers_version"]
+    shown = run("inspect", out)
+    assert shown.exit_code == 0 and "K (post-RoPE)" in shown.stdout and "mean" in shown.stdout
+
+
+def test_text_source_prune_and_kmeans(tiny_dirs, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(f"document {i} " + "words " * 20 for i in range(40)))
+    out = tmp_path / "c"
+    result = run("calibrate", tiny_dirs[LLAMA], "-o", out, "--text", text, "--tokens", 512,
+                 "--seq-len", 16, "--prune", 0.25, "--kmeans", 8, "--seed", 3)
+    assert result.exit_code == 0, result.output
+    h = CalibStats.load(out).header
+    assert h.options.source == "text" and h.options.kmeans == 8 and h.tokens < 512
+
+
+def test_force_replaces_existing_output(tiny_dirs, tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "old").write_text("x")
+    result = run("calibrate", tiny_dirs[LLAMA], "-o", out, "--tokens", 32, "--force")
+    assert result.exit_code == 0 and not (out / "old").exists() and (out / "calib.json").exists()
+
+
+@pytest.fixture
+def unsupported_model(tmp_path):
+    d = tmp_path / "foo"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("missing", "does not exist"),
+        ("not_a_model", "not a HF model folder"),
+        ("unsupported", "unsupported architecture 'FooForCausalLM'"),
+        ("tokens0", "--tokens must be at least 1"),
+        ("empty_text", "is empty"),
+        ("missing_text", "text file"),
+        ("exists", "already exists; pass --force"),
+        ("bad_prune", "--prune must be in [0, 1)"),
+        ("bad_dtype", "--dtype must be one of"),
+        ("text_with_random", "--text is only used with --source text"),
+        ("kmeans_too_big", "--kmeans 100000 exceeds"),
+        ("no_tokenizer", "has no usable tokenizer"),
+    ],
+)
+def test_bad_input_one_line_exit_2_no_output(case, pattern, tiny_dirs, tmp_path, unsupported_model):
+    model, out, extra = tiny_dirs[LLAMA], tmp_path / "calib", []
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    if case == "missing":
+        model = tmp_path / "nope"
+    elif case == "not_a_model":
+        model = tmp_path
+    elif case == "unsupported":
+        model = unsupported_model
+    elif case == "tokens0":
+        extra = ["--tokens", 0]
+    elif case == "empty_text":
+        extra = ["--text", empty]
+    elif case == "missing_text":
+        extra = ["--text", tmp_path / "none.txt"]
+    elif case == "exists":
+        out.mkdir()
+    elif case == "bad_prune":
+        extra = ["--prune", 1.0]
+    elif case == "bad_dtype":
+        extra = ["--dtype", "float8"]
+    elif case == "text_with_random":
+        extra = ["--source", "random", "--text", "wiki:calib"]
+    elif case == "kmeans_too_big":
+        extra = ["--kmeans", 100000, "--tokens", 64]
+    elif case == "no_tokenizer":
+        model, extra = tmp_path / "notok", ["--source", "text"]
+        shutil.copytree(tiny_dirs[LLAMA], model, ignore=shutil.ignore_patterns("tokenizer*"))
+    result = run("calibrate", model, "-o", out, *extra)
+    assert_user_error(result, pattern, None if case == "exists" else out)
+    if case == "exists":
+        assert list(out.iterdir()) == []
+
+
+def test_inspect_rejects_a_non_calibration_dir(tmp_path):
+    assert_user_error(run("inspect", tmp_path), "not a calibration directory")
+
+
+def test_corrupted_stats_are_detected(tiny_dirs, tmp_path):
+    out = tmp_path / "c"
+    assert run("calibrate", tiny_dirs[LLAMA], "-o", out, "--tokens", 32).exit_code == 0
+    stats = out / "stats.safetensors"
+    data = bytearray(stats.read_bytes())
+    data[-1] ^= 0xFF
+    stats.write_bytes(bytes(data))
+    assert_user_error(run("inspect", out), "corrupted")
+
+
+def test_ctrl_c_mid_run_leaves_nothing(tiny_dirs, tmp_path):
+    out = tmp_path / "calib"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfold", "calibrate", str(tiny_dirs[LLAMA]), "-o", str(out),
+         "--tokens", "50000000", "--seq-len", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".calib.tmp-*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(2.0)  # well inside the collection loop
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert lines == ["error: interrupted; no output was written"], stderr
+    assert not out.exists() and not list(tmp_path.glob(".calib*"))
