@@ -27,5 +27,5 @@ def test_adapter_finds_attention_projections(arch):
 
 
 def test_unknown_architecture_is_a_clear_error():
-    with pytest.raises(KVFoldError, match="unsupported architecture 'FooForCausalLM'.*LlamaForCausalLM"):
+    with pytest.raises(KVFoldError, match=r"unsupported architecture 'FooForCausalLM'.*LlamaForCausalLM"):
         get_adapter("FooForCausalLM")

@@ -20,7 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from kvfold.adapters import Adapter
 
-__all__ = ["QKVTap", "OutTap", "tapped"]
+__all__ = ["OutTap", "QKVTap", "tapped"]
 
 QKVTap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (layer, q, k, v)
 OutTap = Callable[[int, torch.Tensor], None]  # (layer, o_proj input [B, T, H*d])
