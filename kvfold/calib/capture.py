@@ -3,8 +3,9 @@
 Q, K, V are taken inside transformers' attention interface: every supported model calls
 `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)` with q and k
 *after* RoPE (and after QK-norm), shaped [B, H, T, d] / [B, H_kv, T, d]. We register a wrapper under
-a new name that hands the tensors to a per-module tap and then runs the model's own implementation,
-so outputs are unchanged. The attention output (the o_proj input) comes from a forward pre-hook.
+a new name that hands the tensors to a per-module patch around the model's own implementation: a tap
+that only looks (calibration: outputs unchanged) or one that projects q and the output (evaluating a
+candidate compression without re-exporting). The o_proj input for calibration comes from a pre-hook.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,11 +22,21 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from kvfold.adapters import Adapter
 
-__all__ = ["OutTap", "QKVTap", "tapped"]
+__all__ = ["AttentionPatch", "OutTap", "QKVTap", "patched", "tapped"]
 
 QKVTap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (layer, q, k, v)
 OutTap = Callable[[int, torch.Tensor], None]  # (layer, o_proj input [B, T, H*d])
-_TAP_ATTR = "_kvfold_tap"
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_PATCH_ATTR = "_kvfold_patch"
+
+
+@dataclass(frozen=True)
+class AttentionPatch:
+    """What to do around one layer's attention call. `before` gets and returns (q, k, v) as
+    [B, H, T, d] / [B, H_kv, T, d]; `after` gets and returns the attention output [B, T, H, d]."""
+
+    before: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], QKV] | None = None
+    after: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _inner_attention(module: nn.Module, name: str) -> Callable:
@@ -36,13 +48,16 @@ def _inner_attention(module: nn.Module, name: str) -> Callable:
 
 
 def _register(inner: str) -> str:
-    name = f"kvfold_capture_{inner}"
+    name = f"kvfold_patch_{inner}"
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        tap = getattr(module, _TAP_ATTR, None)
-        if tap is not None:
-            tap(query, key, value)
-        return _inner_attention(module, inner)(module, query, key, value, attention_mask, **kwargs)
+        patch: AttentionPatch | None = getattr(module, _PATCH_ATTR, None)
+        if patch is not None and patch.before is not None:
+            query, key, value = patch.before(query, key, value)
+        out, weights = _inner_attention(module, inner)(module, query, key, value, attention_mask, **kwargs)
+        if patch is not None and patch.after is not None:
+            out = patch.after(out)
+        return out, weights
 
     AttentionInterface.register(name, attention)
     # The wrapper needs exactly the mask the wrapped implementation would get.
@@ -51,22 +66,41 @@ def _register(inner: str) -> str:
 
 
 @contextmanager
-def tapped(model: nn.Module, adapter: Adapter, on_qkv: QKVTap, on_out: OutTap) -> Iterator[None]:
-    """Within the block, every forward pass reports per layer (q, k, v) and the o_proj input."""
+def patched(model: nn.Module, adapter: Adapter, patches: dict[int, AttentionPatch]) -> Iterator[None]:
+    """Within the block, layer i's attention call runs through patches[i]; outside, nothing changes."""
     original = model.config._attn_implementation
-    handles = []
     attns = adapter.attention_modules(model)
     try:
         model.set_attn_implementation(_register(original))
-        for i, attn in enumerate(attns):
-            setattr(attn, _TAP_ATTR, lambda q, k, v, i=i: on_qkv(i, q, k, v))
-            o_proj = getattr(attn, adapter.o_proj)
-            handles.append(o_proj.register_forward_pre_hook(lambda _m, args, i=i: on_out(i, args[0])))
+        for i, patch in patches.items():
+            setattr(attns[i], _PATCH_ATTR, patch)
         yield
+    finally:
+        for attn in attns:
+            if hasattr(attn, _PATCH_ATTR):
+                delattr(attn, _PATCH_ATTR)
+        model.set_attn_implementation(original)
+
+
+@contextmanager
+def tapped(model: nn.Module, adapter: Adapter, on_qkv: QKVTap, on_out: OutTap) -> Iterator[None]:
+    """Within the block, every forward pass reports per layer (q, k, v) and the o_proj input."""
+
+    def observe(i: int) -> AttentionPatch:
+        def before(q, k, v):
+            on_qkv(i, q, k, v)
+            return q, k, v
+
+        return AttentionPatch(before=before)
+
+    attns = adapter.attention_modules(model)
+    handles = [
+        getattr(attn, adapter.o_proj).register_forward_pre_hook(lambda _m, args, i=i: on_out(i, args[0]))
+        for i, attn in enumerate(attns)
+    ]
+    try:
+        with patched(model, adapter, {i: observe(i) for i in range(len(attns))}):
+            yield
     finally:
         for h in handles:
             h.remove()
-        for attn in attns:
-            if hasattr(attn, _TAP_ATTR):
-                delattr(attn, _TAP_ATTR)
-        model.set_attn_implementation(original)

@@ -1,0 +1,72 @@
+"""Score a candidate compression on text without exporting it.
+
+The original model runs with each layer's attention patched: q ↦ q A_h B_gᵀ before the attention
+call and o ↦ o A_v B_hᵀ after it. That is algebraically the compressed model (scores q'·k', output
+Σ p v' B_hᵀ), with every tensor still head_dim wide, so one model serves every candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvfold.adapters import Adapter
+from kvfold.calib.capture import AttentionPatch, patched
+from kvfold.calib.tokens import Sequences, batches
+from kvfold.rewrite.factors import LayerFactors
+
+__all__ = ["METRICS", "Evaluator", "Metrics"]
+
+METRICS = ("top1", "ppl")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    top1: float  # next-token top-1 accuracy
+    nll: float  # mean next-token negative log-likelihood (nats)
+    tokens: int
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    def ratio(self, baseline: Metrics, metric: str) -> float:
+        """Higher is better, 1.0 = the original: top1 / top1₀, or perplexity ppl₀ / ppl."""
+        return self.top1 / baseline.top1 if metric == "top1" else baseline.ppl / self.ppl
+
+
+def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch:
+    p_qk = factors.qk_projection().to(dtype)  # [H, d, d]
+    p_o = factors.o_projection().to(dtype)
+
+    def before(q, k, v):
+        return torch.einsum("bhtd,hde->bhte", q, p_qk), k, v
+
+    def after(out):  # [B, T, H, d]
+        return torch.einsum("bthd,hde->bthe", out, p_o)
+
+    return AttentionPatch(before=before, after=after)
+
+
+class Evaluator:
+    """Scores the original model once, then any list of per-layer factors, on fixed text windows."""
+
+    def __init__(self, model: nn.Module, adapter: Adapter, windows: Sequences, batch: int = 4) -> None:
+        self.model, self.adapter, self.windows, self.batch = model, adapter, windows, batch
+        self.baseline = self.score(None)
+
+    def score(self, factors: list[LayerFactors] | None) -> Metrics:
+        dtype = next(self.model.parameters()).dtype
+        patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
+        correct = nll = count = 0.0
+        with patched(self.model, self.adapter, patches), torch.inference_mode():
+            for ids in batches(self.windows, self.batch):
+                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+                target = ids[:, 1:]
+                correct += (logits.argmax(-1) == target).sum().item()
+                nll += torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="sum").item()
+                count += target.numel()
+        return Metrics(top1=correct / count, nll=nll / count, tokens=int(count))

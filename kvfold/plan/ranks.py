@@ -1,0 +1,43 @@
+"""Per-head ranks from the papers' removal rate (ZACK Eq. 6), rounded for kernels."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvfold.calib.spectrum import rank_for_removal
+from kvfold.rewrite.factors import LayerBasis
+
+__all__ = ["RankPlan", "RankRule", "plan_ranks"]
+
+
+@dataclass(frozen=True)
+class RankRule:
+    r_k: float  # removal rate for the Q/K spectrum
+    r_v: float  # removal rate for the V spectrum
+    multiple: int = 8  # round ranks up to this (16 for GPU kernels)
+    min_rank: int = 8
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    d_k: list[list[int]]  # [layer][kv head]
+    d_v: list[list[int]]
+    head_dim: int
+
+    @property
+    def compression(self) -> float:
+        """p = 1 − Σ(d_k + d_v) / Σ 2·head_dim over every layer and KV head."""
+        kept = sum(map(sum, self.d_k)) + sum(map(sum, self.d_v))
+        return 1.0 - kept / (2 * self.head_dim * sum(len(row) for row in self.d_k))
+
+
+def _round(rank: int, rule: RankRule, d: int) -> int:
+    return min(d, max(rule.min_rank, math.ceil(rank / rule.multiple) * rule.multiple))
+
+
+def plan_ranks(bases: list[LayerBasis], rule: RankRule) -> RankPlan:
+    d = bases[0].qk_spectrum.shape[-1]
+    d_k = [[_round(rank_for_removal(s, rule.r_k), rule, d) for s in b.qk_spectrum] for b in bases]
+    d_v = [[_round(rank_for_removal(s, rule.r_v), rule, d) for s in b.v_spectrum] for b in bases]
+    return RankPlan(d_k=d_k, d_v=d_v, head_dim=d)
