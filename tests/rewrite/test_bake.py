@@ -1,0 +1,75 @@
+"""Acceptance 1 of export: full rank reproduces the original logits through the baked weights; at
+reduced rank the baked weights compute exactly what the search scored."""
+
+import pytest
+import torch
+
+from kvfold.adapters import HeadLayout, get_adapter
+from kvfold.calib.capture import patched
+from kvfold.plan.evaluate import _patch
+from kvfold.rewrite.bake import bake
+from kvfold.rewrite.factors import METHODS, get_method
+from kvfold.rewrite.reference import padded_forward
+from kvfold.rewrite.weights import o_proj_heads
+from tests.conftest import TINY_CONFIGS, VOCAB, build_tiny
+from tests.rewrite.test_factors import tiny_stats
+
+
+def _factors(model, arch, method, d_k, d_v):
+    stats = tiny_stats(model, arch)
+    adapter = get_adapter(arch)
+    layout = HeadLayout.from_config(model.config)
+    return [get_method(method).basis(stats, i, o_proj_heads(model, adapter, i)).truncate(d_k[i], d_v[i])
+            for i in range(layout.num_layers)]
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_full_rank_bake_reproduces_logits(arch, method):
+    model = build_tiny(arch)
+    adapter = get_adapter(arch)
+    layout = HeadLayout.from_config(model.config)
+    full = [[layout.head_dim] * layout.num_kv_heads] * layout.num_layers
+    baked = bake(model, adapter, _factors(model, arch, method, full, full))
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+        with padded_forward(baked, adapter, full, full):
+            got = baked(input_ids=ids).logits
+    assert _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_reduced_rank_bake_equals_the_scored_candidate(arch):
+    model = build_tiny(arch)
+    adapter = get_adapter(arch)
+    layout = HeadLayout.from_config(model.config)
+    d = layout.head_dim
+    # uneven ranks: every KV head and layer different
+    d_k = [[d - 4 * ((i + g) % 3) for g in range(layout.num_kv_heads)] for i in range(layout.num_layers)]
+    d_v = [[d - 4 * ((i + 2 * g + 1) % 3) for g in range(layout.num_kv_heads)] for i in range(layout.num_layers)]
+    factors = _factors(model, arch, "aware", d_k, d_v)
+    baked = bake(model, adapter, factors)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        exact = model(input_ids=ids).logits
+        with patched(model, adapter, {i: _patch(f, torch.float32) for i, f in enumerate(factors)}):
+            scored = model(input_ids=ids).logits
+        with padded_forward(baked, adapter, d_k, d_v):
+            got = baked(input_ids=ids).logits
+    assert _rel(got, scored) < 1e-5
+    assert _rel(scored, exact) > 1e-4  # the compression really changed something
+
+
+def test_bake_leaves_the_original_untouched():
+    model = build_tiny("LlamaForCausalLM")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    d = 16
+    bake(model, get_adapter("LlamaForCausalLM"),
+         _factors(model, "LlamaForCausalLM", "aware", [[8, 8]] * 2, [[8, 8]] * 2))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.model.layers[0].self_attn.v_proj.weight.shape[0] == 2 * d
