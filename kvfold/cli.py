@@ -14,7 +14,7 @@ from rich.logging import RichHandler
 
 from kvfold import api
 from kvfold.errors import KVFoldError
-from kvfold.report import calib_summary, progress_bar, spectrum_table
+from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table
 
 app = typer.Typer(
     help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
@@ -70,6 +70,29 @@ def calibrate(
                                batch=batch, prune_fraction=prune, kmeans=kmeans, seed=seed, dtype=dtype,
                                force=force, progress=bar)
     out.print(calib_summary(result))
+
+
+@app.command()
+def export(
+    model: Annotated[str, typer.Argument(help="The model that was calibrated (folder or 'smollm2').")],
+    calib: Annotated[Path, typer.Option(help="Directory written by kvfold calibrate.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the checkpoint to.")],
+    accuracy: Annotated[float | None, typer.Option(help="Keep at least this fraction of the metric.")] = None,
+    ratio: Annotated[float | None, typer.Option(help="Instead: reach this KV compression p.")] = None,
+    method: Annotated[str, typer.Option(help="aware (kvfold) or zack (the papers').")] = "aware",
+    eval_text: Annotated[str, typer.Option(help="Text the search scores candidates on.")] = "wiki:dev",
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text to score on.")] = 8192,
+    metric: Annotated[str, typer.Option(help="top1 (next-token accuracy) or ppl (perplexity ratio).")] = "top1",
+    multiple: Annotated[int, typer.Option(help="Round ranks up to a multiple of this.")] = 8,
+    min_rank: Annotated[int, typer.Option(help="Smallest rank of any head.")] = 8,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
+) -> None:
+    """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
+    with user_errors():
+        result = api.export(model, calib, output, accuracy=accuracy, ratio=ratio, method=method,
+                            eval_text=eval_text, eval_tokens=eval_tokens, metric=metric, multiple=multiple,
+                            min_rank=min_rank, force=force)
+    out.print(export_summary(result))
 
 
 @app.command()

@@ -12,7 +12,7 @@ from rich.table import Table
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
 
-__all__ = ["calib_summary", "progress_bar", "spectrum_table"]
+__all__ = ["calib_summary", "export_summary", "progress_bar", "spectrum_table"]
 
 _KIND_NAMES = {"q": "Q (post-RoPE)", "k": "K (post-RoPE)", "v": "V", "o": "attn out"}
 
@@ -36,6 +36,13 @@ def calib_summary(result) -> str:
     return (f"calibrated {m.spec} ({m.architecture}, {m.num_layers} layers, {m.num_heads}/{m.num_kv_heads} "
             f"heads, head_dim {m.head_dim}) on {h.tokens} {h.options.source} tokens in "
             f"{result.seconds_collect:.1f} s -> {result.output}")
+
+
+def export_summary(result) -> str:
+    m, c = result.manifest, result.manifest.chosen
+    return (f"exported {m.source.spec} ({m.method}) -> {result.output}: KV cache {1 - c.compression:.1%} of the "
+            f"original (p = {c.compression:.3f}), top-1 ratio {c.top1_ratio:.4f}, perplexity ratio "
+            f"{c.ppl_ratio:.4f} on {m.eval_text} ({m.eval_tokens} tokens); {len(m.curve)} points on the curve")
 
 
 def spectrum_table(header: CalibHeader, rows: list[LayerSpectrum]) -> Table:

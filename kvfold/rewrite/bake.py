@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from kvfold.adapters import Adapter, HeadLayout
 from kvfold.rewrite.factors import LayerFactors
 
-__all__ = ["Q_POST", "K_POST", "bake"]
+__all__ = ["K_POST", "Q_POST", "bake"]
 
 Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"
 

@@ -1,0 +1,1 @@
+"""Stage 4, writing: the versioned manifest and the exported HF directory."""

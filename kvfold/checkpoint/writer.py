@@ -1,0 +1,40 @@
+"""Write an exported checkpoint: a normal HF directory + kvfold.json, into a directory the caller
+made atomic (kvfold.io.atomic_dir)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+from kvfold.checkpoint.manifest import MANIFEST_FILE, SCHEMA_VERSION, Manifest
+from kvfold.io import atomic_write_text, sha256_file
+
+__all__ = ["runtime_architecture", "write_checkpoint"]
+
+# Files of the source folder that describe the tokenizer or generation and travel unchanged.
+_CARRIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+            "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def runtime_architecture(architecture: str) -> str:
+    """The kvfold-runtime class that serves an export of `architecture` (e.g. KVFoldLlamaForCausalLM)."""
+    return f"KVFold{architecture}"
+
+
+def write_checkpoint(baked: nn.Module, source: Path, manifest: Manifest, out: Path,
+                     max_shard_size: str = "200MB") -> Manifest:
+    config = baked.config
+    config.architectures = [runtime_architecture(manifest.source.architecture)]
+    # A small block that vLLM's and transformers' config objects carry along (the manifest has the rest).
+    config.kvfold = {"schema_version": SCHEMA_VERSION, "d_k": manifest.d_k, "d_v": manifest.d_v,
+                     "post_rope_projections": bool(manifest.extra_tensors)}
+    baked.save_pretrained(out, max_shard_size=max_shard_size)
+    for name in _CARRIED:
+        if (source / name).is_file() and not (out / name).exists():
+            shutil.copy2(source / name, out / name)
+    files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST_FILE}
+    final = manifest.model_copy(update={"files": files})
+    atomic_write_text(out / MANIFEST_FILE, final.to_json())
+    return final
