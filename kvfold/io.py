@@ -15,6 +15,12 @@ from kvfold.errors import KVFoldError
 __all__ = ["atomic_dir", "atomic_write_text", "sha256_file"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -29,6 +35,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -46,6 +53,7 @@ def atomic_dir(target: Path, force: bool = False) -> Iterator[Path]:
         raise KVFoldError(f"output '{target}' exists and is not a directory; choose another path")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs are meant to be shared
     try:
         yield tmp
         # Swap in two renames; the old output is removed only once the new one is complete.

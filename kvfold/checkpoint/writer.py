@@ -3,6 +3,7 @@ made atomic (kvfold.io.atomic_dir)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -25,12 +26,14 @@ def runtime_architecture(architecture: str) -> str:
 
 def write_checkpoint(baked: nn.Module, source: Path, manifest: Manifest, out: Path,
                      max_shard_size: str = "200MB") -> Manifest:
-    config = baked.config
-    config.architectures = [runtime_architecture(manifest.source.architecture)]
-    # A small block that vLLM's and transformers' config objects carry along (the manifest has the rest).
-    config.kvfold = {"schema_version": SCHEMA_VERSION, "d_k": manifest.d_k, "d_v": manifest.d_v,
-                     "post_rope_projections": bool(manifest.extra_tensors)}
     baked.save_pretrained(out, max_shard_size=max_shard_size)
+    # save_pretrained writes the class it was called on as the architecture; name the runtime's class
+    # instead, and add a small block that vLLM's and transformers' config objects carry along.
+    config = json.loads((out / "config.json").read_text())
+    config["architectures"] = [runtime_architecture(manifest.source.architecture)]
+    config["kvfold"] = {"schema_version": SCHEMA_VERSION, "d_k": manifest.d_k, "d_v": manifest.d_v,
+                        "post_rope_projections": bool(manifest.extra_tensors)}
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in _CARRIED:
         if (source / name).is_file() and not (out / name).exists():
             shutil.copy2(source / name, out / name)

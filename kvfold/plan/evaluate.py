@@ -18,7 +18,7 @@ from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, batches
 from kvfold.rewrite.factors import LayerFactors
 
-__all__ = ["METRICS", "Evaluator", "Metrics"]
+__all__ = ["METRICS", "Evaluator", "Metrics", "score_model"]
 
 METRICS = ("top1", "ppl")
 
@@ -61,12 +61,18 @@ class Evaluator:
     def score(self, factors: list[LayerFactors] | None) -> Metrics:
         dtype = next(self.model.parameters()).dtype
         patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
-        correct = nll = count = 0.0
-        with patched(self.model, self.adapter, patches), torch.inference_mode():
-            for ids in batches(self.windows, self.batch):
-                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-                target = ids[:, 1:]
-                correct += (logits.argmax(-1) == target).sum().item()
-                nll += torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="sum").item()
-                count += target.numel()
-        return Metrics(top1=correct / count, nll=nll / count, tokens=int(count))
+        with patched(self.model, self.adapter, patches):
+            return score_model(self.model, self.windows, self.batch)
+
+
+def score_model(model: nn.Module, windows: Sequences, batch: int = 4) -> Metrics:
+    """Next-token top-1 accuracy and mean NLL of `model` as it runs now, over every window."""
+    correct = nll = count = 0.0
+    with torch.inference_mode():
+        for ids in batches(windows, batch):
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+            target = ids[:, 1:]
+            correct += (logits.argmax(-1) == target).sum().item()
+            nll += torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="sum").item()
+            count += target.numel()
+    return Metrics(top1=correct / count, nll=nll / count, tokens=int(count))

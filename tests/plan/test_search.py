@@ -1,0 +1,33 @@
+import pytest
+
+from kvfold.errors import KVFoldError
+from kvfold.plan.evaluate import Metrics
+from kvfold.plan.ranks import RankPlan, RankRule
+from kvfold.plan.search import search_rate
+
+BASE = Metrics(top1=0.5, nll=2.0, tokens=100)
+
+
+def _plan(rr: RankRule) -> RankPlan:
+    keep = max(0, 64 - int(rr.r_k * 128))  # ranks fall as r grows
+    return RankPlan(d_k=[[keep]], d_v=[[64]], head_dim=64)
+
+
+def _score(edge: float):
+    def score(ranks: RankPlan):
+        p = ranks.compression
+        return Metrics(top1=0.5 * (1.0 if p <= edge else 0.9), nll=2.0 + p, tokens=100), BASE
+
+    return score
+
+
+def test_search_finds_the_largest_compression_meeting_the_target():
+    best, curve = search_rate(_plan, _score(0.2), 0.99, "top1", lambda r: RankRule(r, r))
+    assert best.top1_ratio >= 0.99 and 0.17 < best.compression <= 0.2
+    assert max(p.compression for p in curve if p.top1_ratio >= 0.99) == best.compression
+    assert [p.r_k for p in curve] == sorted(p.r_k for p in curve)
+
+
+def test_unreachable_target_says_the_best_reachable():
+    with pytest.raises(KVFoldError, match="not reachable.*best reachable is 0.9000"):
+        search_rate(_plan, _score(-1.0), 0.99, "top1", lambda r: RankRule(r, r))

@@ -1,0 +1,113 @@
+"""kvfold export end to end on a tiny model, and its bad inputs."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from kvfold.checkpoint.manifest import Manifest
+from kvfold.errors import KVFoldError
+from kvfold.io import sha256_file
+from tests.test_cli import assert_user_error, run
+
+LLAMA = "LlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    text = root / "eval.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    calib = root / "calib"
+    assert run("calibrate", tiny_dirs[LLAMA], "-o", calib, "--tokens", 512, "--seq-len", 64).exit_code == 0
+    return tiny_dirs[LLAMA], calib, text, root
+
+
+def _export(setup, out, *extra):
+    model, calib, text, _ = setup
+    return run("export", model, "--calib", calib, "--eval-text", text, "--eval-tokens", 256, "-o", out, *extra)
+
+
+@pytest.mark.parametrize("method", ["aware", "zack"])
+def test_export_writes_a_verifiable_hf_directory(setup, tmp_path, method):
+    out = tmp_path / "exported"
+    result = _export(setup, out, "--accuracy", 0.9, "--method", method)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(out)
+    assert m.method == method and m.chosen.top1_ratio >= 0.9 and len(m.curve) >= 2
+    assert set(m.files) == {p.name for p in out.iterdir()} - {"kvfold.json"}
+    assert all(sha256_file(out / name) == sha for name, sha in m.files.items())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["KVFoldLlamaForCausalLM"] and config["kvfold"]["d_k"] == m.d_k
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors |= load_file(f)
+    assert set(m.extra_tensors) <= set(tensors) and len(m.extra_tensors) == 2 * 2  # 2 layers × (q, k)
+    d_v = sum(m.d_v[0])
+    assert tensors["model.layers.0.self_attn.v_proj.weight"].shape == (d_v, 64)
+    assert tensors["model.layers.0.self_attn.o_proj.weight"].shape == (64, 2 * d_v)  # group of 2
+    assert tensors["model.layers.0.self_attn.kvfold_k_post"].shape == (16, sum(m.d_k[0]))
+    assert (out / "tokenizer.json").exists()
+
+
+def test_ratio_target(setup, tmp_path):
+    out = tmp_path / "r"
+    result = _export(setup, out, "--ratio", 0.25)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(out)
+    assert m.chosen.compression >= 0.25 and m.target == "compression>=0.25"
+
+
+def test_manifest_round_trips_and_rejects_unknown_major(setup, tmp_path):
+    out = tmp_path / "m"
+    assert _export(setup, out, "--ratio", 0.1).exit_code == 0
+    m = Manifest.load(out)
+    assert Manifest.from_json(m.to_json()) == m
+    raw = json.loads(m.to_json())
+    raw["schema_version"] = "2.0"
+    with pytest.raises(KVFoldError, match="schema version '2.0'"):
+        Manifest.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--accuracy", 0], "--accuracy must be in (0, 1]"),
+        (["--accuracy", 1.5], "--accuracy must be in (0, 1]"),
+        (["--accuracy", 0.9, "--ratio", 0.1], "exactly one of"),
+        ([], "exactly one of"),
+        (["--accuracy", 0.9, "--method", "magic"], "unknown --method 'magic'"),
+        (["--accuracy", 0.9, "--metric", "bleu"], "--metric must be one of"),
+    ],
+)
+def test_bad_options(setup, tmp_path, args, pattern):
+    out = tmp_path / "o"
+    assert_user_error(_export(setup, out, *args), pattern, out)
+
+
+def test_calibration_of_another_model_is_rejected(setup, tiny_dirs, tmp_path):
+    _, calib, text, _ = setup
+    out = tmp_path / "o"
+    result = run("export", tiny_dirs["Qwen2ForCausalLM"], "--calib", calib, "--eval-text", text,
+                 "--accuracy", 0.9, "-o", out)
+    assert_user_error(result, "calibrated on different weights", out)
+
+
+def test_corrupted_calibration_is_rejected(setup, tmp_path):
+    model, calib, text, root = setup
+    bad = tmp_path / "calib"
+    bad.mkdir()
+    for f in calib.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    stats = bad / "stats.safetensors"
+    stats.write_bytes(stats.read_bytes()[:-10])
+    out = tmp_path / "o"
+    result = run("export", model, "--calib", bad, "--eval-text", text, "--accuracy", 0.9, "-o", out)
+    assert_user_error(result, "corrupted", out)
+
+
+def test_existing_output_needs_force(setup, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    assert_user_error(_export(setup, out, "--accuracy", 0.9), "already exists; pass --force")
+    assert list(out.iterdir()) == []
