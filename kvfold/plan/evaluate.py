@@ -35,7 +35,9 @@ class Metrics:
 
     def ratio(self, baseline: Metrics, metric: str) -> float:
         """Higher is better, 1.0 = the original: top1 / top1₀, or perplexity ppl₀ / ppl."""
-        return self.top1 / baseline.top1 if metric == "top1" else baseline.ppl / self.ppl
+        if metric == "ppl":
+            return baseline.ppl / self.ppl
+        return self.top1 / baseline.top1 if baseline.top1 > 0 else 1.0  # nothing to lose: ratio 1
 
 
 def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
-from kvfold.adapters import Adapter, HeadLayout
+from kvfold.adapters import Adapter, HeadLayout, get_adapter
 from kvfold.calib.capture import AttentionPatch, patched
-from kvfold.rewrite.bake import K_POST, Q_POST
+from kvfold.checkpoint.manifest import Manifest
+from kvfold.errors import KVFoldError
+from kvfold.rewrite.bake import K_POST, Q_POST, _make
 
-__all__ = ["padded_forward"]
+__all__ = ["load_baked", "padded_forward"]
 
 
 def _pad(x: torch.Tensor, widths: list[int], d: int) -> torch.Tensor:
@@ -91,3 +95,49 @@ def padded_forward(baked: nn.Module, adapter: Adapter, d_k: list[list[int]], d_v
     finally:
         for attn, name, orig in saved:
             setattr(attn, name, orig)
+
+
+def load_baked(directory: Path) -> tuple[nn.Module, Adapter, Manifest]:
+    """Load an exported directory into the source architecture's HF class, with every projection at
+    its baked width (run it inside `padded_forward`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    manifest = Manifest.load(directory)
+    adapter = get_adapter(manifest.source.architecture)
+    config = AutoConfig.from_pretrained(directory)
+    config.architectures = [manifest.source.architecture]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    layout = HeadLayout.from_config(config)
+    d, group, pl = layout.head_dim, layout.num_heads // layout.num_kv_heads, adapter.proj_layout
+    for i, attn in enumerate(adapter.attention_modules(model)):
+        dk_q = sum(manifest.d_k[i][h // group] for h in range(layout.num_heads))
+        dv_q = sum(manifest.d_v[i][h // group] for h in range(layout.num_heads))
+        widths = {"q": dk_q, "k": sum(manifest.d_k[i])} if not adapter.rope else \
+            {"q": layout.num_heads * d, "k": layout.num_kv_heads * d}
+        widths["v"] = sum(manifest.d_v[i])
+        hidden = config.hidden_size
+
+        def empty(n_in, n_out, like):
+            return _make(torch.zeros(n_in, n_out), None if like.bias is None else torch.zeros(n_out), pl,
+                         torch.float32)
+
+        if adapter.qkv_fused:
+            fused = getattr(attn, adapter.qkv_fused)
+            setattr(attn, adapter.qkv_fused, empty(hidden, sum(widths.values()), fused))
+        else:
+            for kind, name in zip("qkv", (adapter.q_proj, adapter.k_proj, adapter.v_proj), strict=True):
+                setattr(attn, name, empty(hidden, widths[kind], getattr(attn, name)))
+        setattr(attn, adapter.o_proj, empty(dv_q, hidden, getattr(attn, adapter.o_proj)))
+        if adapter.rope:
+            attn.register_parameter(Q_POST, nn.Parameter(torch.zeros(d, dk_q), requires_grad=False))
+            attn.register_parameter(K_POST, nn.Parameter(torch.zeros(d, sum(manifest.d_k[i])), requires_grad=False))
+    state = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        state |= load_file(f)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    if unexpected or set(missing) - tied:
+        raise KVFoldError(f"'{directory}' does not match its manifest (missing {sorted(set(missing) - tied)[:3]}, "
+                          f"unexpected {sorted(unexpected)[:3]}); re-export it")
+    model.tie_weights()
+    return model, adapter, manifest

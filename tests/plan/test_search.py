@@ -29,5 +29,5 @@ def test_search_finds_the_largest_compression_meeting_the_target():
 
 
 def test_unreachable_target_says_the_best_reachable():
-    with pytest.raises(KVFoldError, match="not reachable.*best reachable is 0.9000"):
+    with pytest.raises(KVFoldError, match=r"not reachable.*best reachable is 0\.9000"):
         search_rate(_plan, _score(-1.0), 0.99, "top1", lambda r: RankRule(r, r))
