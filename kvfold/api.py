@@ -32,6 +32,7 @@ from kvfold.sources.text import resolve_text
 
 __all__ = ["CalibResult", "ExportResult", "calibrate", "export", "inspect", "prepare"]
 
+
 @dataclass(frozen=True)
 class CalibResult:
     header: CalibHeader

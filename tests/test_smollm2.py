@@ -75,3 +75,27 @@ def test_bench_calibrate_prints_json(smollm2):
     report = json.loads(done.stdout)
     (point,) = report["points"]
     assert point["tokens"] == 1024 and point["tokens_per_s"] > 0 and point["peak_rss_mib"] > 100
+
+
+def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
+    """The real export path: calibrate on text, export at a compression target, reload the files."""
+    from kvfold.calib.tokens import text_sequences
+    from kvfold.plan.evaluate import score_model
+    from kvfold.rewrite.reference import load_baked, padded_forward
+    from kvfold.sources.models import load_model, resolve_model
+
+    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=4096)
+    result = api.export("smollm2", tmp_path / "c", tmp_path / "o", ratio=0.05, eval_tokens=1024)
+    m = result.manifest
+    assert m.chosen.compression >= 0.05 and len(m.extra_tensors) == 60  # 30 layers × (q, k) post-RoPE
+    baked, adapter, manifest = load_baked(tmp_path / "o")
+    assert manifest == m
+    ref = resolve_model("smollm2")
+    from transformers import AutoTokenizer
+
+    windows = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:dev"), 1024, 512, 0)
+    with padded_forward(baked, adapter, m.d_k, m.d_v):
+        from_files = score_model(baked, windows)
+    # the files compute what the search scored (same dev text, same tokens)
+    assert abs(from_files.top1 / m.baseline_top1 - m.chosen.top1_ratio) < 1e-3
+    assert score_model(load_model(ref), windows).top1 == pytest.approx(m.baseline_top1, abs=1e-9)

@@ -1,4 +1,4 @@
-"""python -m kvfold.bench calibrate [--model smollm2] [--tokens 4096 --tokens 16384]"""
+"""python -m kvfold.bench calibrate|export ... — each prints JSON measured in that run."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from kvfold.bench.calibrate import bench_calibrate, one_point
+from kvfold.bench.export import bench_export
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
@@ -22,6 +23,20 @@ def calibrate(
 ) -> None:
     """Time calibration and measure its peak memory; print JSON."""
     print(json.dumps(bench_calibrate(model, tokens or [4096, 16384], source, seq_len, batch), indent=2))
+
+
+@app.command()
+def export(
+    model: Annotated[str, typer.Option(help="Model folder or alias.")] = "smollm2",
+    accuracy: Annotated[float, typer.Option(help="Target top-1 ratio.")] = 0.99,
+    method: Annotated[list[str] | None, typer.Option(help="Factor methods to compare.")] = None,
+    calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens to calibrate on.")] = 16384,
+    eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 8192,
+    heldout_tokens: Annotated[int, typer.Option(help="wiki:eval tokens for the held-out check.")] = 16384,
+) -> None:
+    """Export with each method at the target; compression and held-out ratios side by side; JSON."""
+    report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens)
+    print(json.dumps(report, indent=2))
 
 
 @app.command("calibrate-point", hidden=True)

@@ -1,0 +1,56 @@
+"""Export at an accuracy target with each factor method, side by side in one run, and check each
+checkpoint on held-out text (wiki:eval: used neither for calibration nor for the search).
+
+The held-out figure comes from the written files (load_baked + padded_forward), not from the search.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from kvfold import api
+from kvfold.calib.tokens import text_sequences
+from kvfold.plan.evaluate import score_model
+from kvfold.rewrite.reference import load_baked, padded_forward
+from kvfold.sources.models import load_model, resolve_model
+from kvfold.sources.text import resolve_text
+
+__all__ = ["bench_export"]
+
+
+def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: int, eval_tokens: int,
+                 heldout_tokens: int) -> dict:
+    ref = resolve_model(model)
+    heldout = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:eval"),
+                             heldout_tokens, 512, seed=0)
+    base = score_model(load_model(ref), heldout)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        calib = Path(tmp) / "calib"
+        api.calibrate(model, calib, text="wiki:calib", tokens=calib_tokens)
+        for method in methods:
+            t0 = time.perf_counter()
+            result = api.export(model, calib, Path(tmp) / method, accuracy=accuracy, method=method,
+                                eval_tokens=eval_tokens)
+            seconds = time.perf_counter() - t0
+            baked, adapter, m = load_baked(result.output)
+            with padded_forward(baked, adapter, m.d_k, m.d_v):
+                held = score_model(baked, heldout)
+            rows.append({
+                "method": method, "compression_p": round(m.chosen.compression, 4),
+                "kv_bytes_fraction": round(1 - m.chosen.compression, 4),
+                "search_top1_ratio": round(m.chosen.top1_ratio, 4),
+                "heldout_top1_ratio": round(held.ratio(base, "top1"), 4),
+                "heldout_ppl_ratio": round(held.ratio(base, "ppl"), 4),
+                "r": round(m.chosen.r_k, 5), "curve_points": len(m.curve), "export_s": round(seconds, 1),
+            })
+    return {
+        "benchmark": "export", "model": model, "target_top1_ratio": accuracy, "calibration": "wiki:calib",
+        "calib_tokens": calib_tokens, "search_text": "wiki:dev", "search_tokens": eval_tokens,
+        "heldout_text": "wiki:eval", "heldout_tokens": base.tokens, "baseline_heldout_top1": round(base.top1, 4),
+        "baseline_heldout_ppl": round(base.ppl, 3), "methods": rows,
+    }
