@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,18 +16,12 @@ from kvfold.calib.inspect import LayerSpectrum, spectrum_table
 from kvfold.calib.run import collect
 from kvfold.calib.sinks import GramSink, KMeansSink
 from kvfold.calib.tokens import batches, prune, random_sequences, text_sequences
-from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
-from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
+from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
-from kvfold.plan.evaluate import METRICS, Evaluator
-from kvfold.plan.ranks import RankRule, plan_ranks
-from kvfold.plan.targets import for_accuracy, for_compression
-from kvfold.rewrite.bake import K_POST, Q_POST, bake
-from kvfold.rewrite.factors import get_method
-from kvfold.rewrite.weights import o_proj_heads
 from kvfold.sources.models import DTYPES, load_model, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
+from kvfold.sources.tokenizer import load_tokenizer
 
 __all__ = ["CalibResult", "ExportResult", "calibrate", "export", "inspect", "prepare"]
 
@@ -105,101 +98,6 @@ def calibrate(
     return CalibResult(header=saved, output=output, seconds_load=t1 - t0, seconds_collect=t2 - t1)
 
 
-@dataclass(frozen=True)
-class ExportResult:
-    manifest: Manifest
-    output: Path
-
-
-def export(
-    model: str,
-    calib: Path,
-    output: Path,
-    *,
-    accuracy: float | None = None,
-    ratio: float | None = None,
-    method: str = "aware",
-    eval_text: str = "wiki:dev",
-    eval_tokens: int = 8192,
-    metric: str = "top1",
-    multiple: int = 8,
-    min_rank: int = 8,
-    force: bool = False,
-) -> ExportResult:
-    """Choose per-head ranks for an accuracy (or compression) target, bake them, write a checkpoint."""
-    if (accuracy is None) == (ratio is None):
-        raise KVFoldError("give exactly one of --accuracy A or --ratio P")
-    if accuracy is not None and not 0.0 < accuracy <= 1.0:
-        raise KVFoldError(f"--accuracy must be in (0, 1], got {accuracy}")
-    if ratio is not None and not 0.0 <= ratio < 1.0:
-        raise KVFoldError(f"--ratio must be in [0, 1), got {ratio}")
-    _check_choice("--metric", metric, METRICS)
-    _check_positive("--eval-tokens", eval_tokens)
-    _check_positive("--multiple", multiple)
-    factor_method = get_method(method)
-    ref = resolve_model(model)
-    stats = CalibStats.load(Path(calib))
-    sha = weights_sha256(ref.path)
-    if stats.header.model.weights_sha256 != sha:
-        raise KVFoldError(f"'{calib}' was calibrated on different weights than '{model}' (sha256 differs); "
-                          f"run kvfold calibrate {model} first")
-    docs = resolve_text(eval_text)
-    rule = partial(RankRule, multiple=multiple, min_rank=min_rank)
-
-    with atomic_dir(Path(output), force=force) as tmp:
-        net = load_model(ref)
-        bases = [factor_method.basis(stats, i, o_proj_heads(net, ref.adapter, i))
-                 for i in range(stats.header.model.num_layers)]
-        windows = text_sequences(_tokenizer(ref.path), docs, eval_tokens, 512, seed=0)
-        evaluator = Evaluator(net, ref.adapter, windows)
-
-        def shared(r: float) -> RankRule:
-            return rule(r_k=r, r_v=r)
-
-        if accuracy is not None:
-            best, curve = for_accuracy(bases, evaluator, accuracy, metric, shared)
-        else:
-            best, curve = for_compression(bases, evaluator, ratio, shared)
-        ranks = plan_ranks(bases, shared(best.r_k))
-        factors = [b.truncate(dk, dv) for b, dk, dv in zip(bases, ranks.d_k, ranks.d_v, strict=True)]
-        baked = bake(net, ref.adapter, factors)
-        h = stats.header
-        manifest = Manifest(
-            kvfold_version=kvfold.__version__, torch_version=torch.__version__,
-            transformers_version=transformers.__version__,
-            source=SourceModel(spec=model, path=str(ref.path.resolve()), architecture=ref.architecture,
-                               weights_sha256=sha),
-            calibration=Calibration(source=h.options.source, text=h.options.text, tokens=h.tokens,
-                                    seed=h.options.seed, stats_sha256=h.stats_sha256),
-            method=method, metric=metric,
-            target=f"{metric}>={accuracy}" if accuracy is not None else f"compression>={ratio}",
-            eval_text=eval_text, eval_tokens=evaluator.baseline.tokens,
-            baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl,
-            rounding_multiple=multiple, min_rank=min_rank, head_dim=h.model.head_dim,
-            num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
-            chosen=Point(**vars(best)), curve=[Point(**vars(p)) for p in curve],
-            extra_tensors=_extra_tensor_names(baked, ref.adapter),
-        )
-        manifest = write_checkpoint(baked, ref.path, manifest, tmp)
-    return ExportResult(manifest=manifest, output=Path(output))
-
-
-def _extra_tensor_names(baked, adapter) -> list[str]:
-    if not adapter.rope:
-        return []
-    return sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST)))
-
-
-def _tokenizer(path: Path, alternative: str = ""):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        raise KVFoldError(f"'{path}' has no usable tokenizer, which reading text needs; "
-                          f"save one beside the model{alternative}") from None
-
-
 def inspect(calib_dir: Path) -> tuple[CalibHeader, list[LayerSpectrum]]:
     stats = CalibStats.load(Path(calib_dir))
     return stats.header, spectrum_table(stats)
@@ -209,7 +107,7 @@ def _sequences(path: Path, net, docs: list[str] | None, options: CalibOptions):
     if options.source == "random":
         seqs = random_sequences(net.config.vocab_size, options.tokens, options.seq_len, options.seed)
     else:
-        tokenizer = _tokenizer(path, " or use --source random")
+        tokenizer = load_tokenizer(path, " or use --source random")
         seqs = text_sequences(tokenizer, docs, options.tokens, options.seq_len, options.seed)
     return prune(seqs, options.prune, options.seed)
 

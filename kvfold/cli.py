@@ -14,6 +14,7 @@ from rich.logging import RichHandler
 
 from kvfold import api
 from kvfold.errors import KVFoldError
+from kvfold.plan.recipe import load_recipe
 from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table
 
 app = typer.Typer(
@@ -79,19 +80,24 @@ def export(
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the checkpoint to.")],
     accuracy: Annotated[float | None, typer.Option(help="Keep at least this fraction of the metric.")] = None,
     ratio: Annotated[float | None, typer.Option(help="Instead: reach this KV compression p.")] = None,
-    method: Annotated[str, typer.Option(help="aware (kvfold) or zack (the papers').")] = "aware",
-    eval_text: Annotated[str, typer.Option(help="Text the search scores candidates on.")] = "wiki:dev",
-    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text to score on.")] = 8192,
-    metric: Annotated[str, typer.Option(help="top1 (next-token accuracy) or ppl (perplexity ratio).")] = "top1",
-    multiple: Annotated[int, typer.Option(help="Round ranks up to a multiple of this.")] = 8,
-    min_rank: Annotated[int, typer.Option(help="Smallest rank of any head.")] = 8,
+    recipe: Annotated[Path | None, typer.Option(help="YAML recipe with these options (flags override).")] = None,
+    method: Annotated[str | None, typer.Option(help="aware (kvfold's, default) or zack (the papers').")] = None,
+    eval_text: Annotated[str | None, typer.Option(help="Text the search scores on [wiki:dev].")] = None,
+    eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on [8192].")] = None,
+    metric: Annotated[str | None, typer.Option(help="top1 (next-token accuracy, default) or ppl.")] = None,
+    multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this [8].")] = None,
+    min_rank: Annotated[int | None, typer.Option(help="Smallest rank of any head [8].")] = None,
+    v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K [1.0].")] = None,
+    reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
+                                                      "evaluate nothing.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
     with user_errors():
-        result = api.export(model, calib, output, accuracy=accuracy, ratio=ratio, method=method,
-                            eval_text=eval_text, eval_tokens=eval_tokens, metric=metric, multiple=multiple,
-                            min_rank=min_rank, force=force)
+        options = load_recipe(recipe, dict(
+            accuracy=accuracy, ratio=ratio, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
+            metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale))
+        result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force)
     out.print(export_summary(result))
 
 

@@ -72,12 +72,13 @@ def test_manifest_round_trips_and_rejects_unknown_major(setup, tmp_path):
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["--accuracy", 0], "--accuracy must be in (0, 1]"),
-        (["--accuracy", 1.5], "--accuracy must be in (0, 1]"),
-        (["--accuracy", 0.9, "--ratio", 0.1], "exactly one of"),
-        ([], "exactly one of"),
-        (["--accuracy", 0.9, "--method", "magic"], "unknown --method 'magic'"),
-        (["--accuracy", 0.9, "--metric", "bleu"], "--metric must be one of"),
+        (["--accuracy", 0], "--accuracy: Input should be greater than 0"),
+        (["--accuracy", 1.5], "--accuracy: Input should be less than or equal to 1"),
+        (["--accuracy", 0.9, "--ratio", 0.1], "options: give exactly one of accuracy or ratio"),
+        ([], "options: give exactly one of accuracy or ratio"),
+        (["--accuracy", 0.9, "--method", "magic"], "--method: Input should be 'aware' or 'zack'"),
+        (["--accuracy", 0.9, "--metric", "bleu"], "--metric: Input should be 'top1' or 'ppl'"),
+        (["--accuracy", 0.9, "--recipe", "/nonexistent.yaml"], "recipe '/nonexistent.yaml' does not exist"),
     ],
 )
 def test_bad_options(setup, tmp_path, args, pattern):

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from kvfold import api
 from kvfold.calib.artifact import CalibStats
 from kvfold.cli import app
+from kvfold.plan.recipe import Recipe
 from kvfold.sources.models import weights_sha256
 from kvfold.sources.text import resolve_text
 
@@ -85,7 +86,7 @@ def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     from kvfold.sources.models import load_model, resolve_model
 
     api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=4096)
-    result = api.export("smollm2", tmp_path / "c", tmp_path / "o", ratio=0.05, eval_tokens=1024)
+    result = api.export("smollm2", tmp_path / "c", tmp_path / "o", Recipe(ratio=0.05, eval_tokens=1024))
     m = result.manifest
     assert m.chosen.compression >= 0.05 and len(m.extra_tensors) == 60  # 30 layers × (q, k) post-RoPE
     baked, adapter, manifest = load_baked(tmp_path / "o")

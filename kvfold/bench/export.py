@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from kvfold import api
 from kvfold.calib.tokens import text_sequences
 from kvfold.plan.evaluate import score_model
+from kvfold.plan.recipe import Recipe
 from kvfold.rewrite.reference import load_baked, padded_forward
 from kvfold.sources.models import load_model, resolve_model
 from kvfold.sources.text import resolve_text
@@ -34,8 +35,8 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
         api.calibrate(model, calib, text="wiki:calib", tokens=calib_tokens)
         for method in methods:
             t0 = time.perf_counter()
-            result = api.export(model, calib, Path(tmp) / method, accuracy=accuracy, method=method,
-                                eval_tokens=eval_tokens)
+            recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens)
+            result = api.export(model, calib, Path(tmp) / method, recipe)
             seconds = time.perf_counter() - t0
             baked, adapter, m = load_baked(result.output)
             with padded_forward(baked, adapter, m.d_k, m.d_v):

@@ -15,7 +15,7 @@ from kvfold.errors import KVFoldError
 from kvfold.plan.evaluate import Metrics
 from kvfold.plan.ranks import RankPlan, RankRule
 
-__all__ = ["CurvePoint", "search_rate"]
+__all__ = ["CurvePoint", "best_point", "search_rate"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,13 @@ def search_rate(
             a = mid
         else:
             b = mid
+    return best_point(curve, metric, target), sorted(curve, key=lambda p: (p.r_k, p.r_v))
+
+
+def best_point(curve: list[CurvePoint], metric: str, target: float, where: str = "") -> CurvePoint:
+    """The most compressed point meeting the target (ties: the more accurate)."""
     ok = [p for p in curve if p.ratio(metric) >= target]
-    best = max(ok, key=lambda p: (p.compression, p.ratio(metric)))
-    return best, sorted(curve, key=lambda p: (p.r_k, p.r_v))
+    if not ok:
+        top = max(p.ratio(metric) for p in curve)
+        raise KVFoldError(f"accuracy {target} is not reachable {where}: the best is {top:.4f}; ask for that or less")
+    return max(ok, key=lambda p: (p.compression, p.ratio(metric)))

@@ -1,0 +1,124 @@
+"""`kvfold export`: statistics -> factors -> ranks for the target -> baked weights -> checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+import kvfold
+from kvfold.calib.artifact import CalibStats
+from kvfold.calib.tokens import text_sequences
+from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
+from kvfold.checkpoint.writer import write_checkpoint
+from kvfold.errors import KVFoldError
+from kvfold.io import atomic_dir
+from kvfold.plan.evaluate import Evaluator
+from kvfold.plan.ranks import RankRule, plan_ranks
+from kvfold.plan.recipe import Recipe
+from kvfold.plan.search import CurvePoint, best_point
+from kvfold.plan.targets import for_accuracy, for_compression
+from kvfold.rewrite.bake import K_POST, Q_POST, bake
+from kvfold.rewrite.factors import get_method
+from kvfold.rewrite.weights import o_proj_heads
+from kvfold.sources.models import load_model, resolve_model, weights_sha256
+from kvfold.sources.text import resolve_text
+from kvfold.sources.tokenizer import load_tokenizer
+
+__all__ = ["ExportResult", "export"]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    manifest: Manifest
+    output: Path
+
+
+def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve: Path | None = None,
+           force: bool = False) -> ExportResult:
+    """Choose per-head ranks for the recipe's target, bake them, write a checkpoint atomically.
+
+    With `reuse_curve` (a previous export of the same model, calibration, method and rounding), the
+    point is picked from its recorded curve and nothing is evaluated again."""
+    ref = resolve_model(model)
+    stats = CalibStats.load(Path(calib))
+    sha = weights_sha256(ref.path)
+    if stats.header.model.weights_sha256 != sha:
+        raise KVFoldError(f"'{calib}' was calibrated on different weights than '{model}' (sha256 differs); "
+                          f"run kvfold calibrate {model} first")
+    previous = _reusable(Path(reuse_curve), sha, stats, recipe) if reuse_curve else None
+    docs = None if previous else resolve_text(recipe.eval_text)
+
+    with atomic_dir(Path(output), force=force) as tmp:
+        net = load_model(ref)
+        method = get_method(recipe.method)
+        bases = [method.basis(stats, i, o_proj_heads(net, ref.adapter, i))
+                 for i in range(stats.header.model.num_layers)]
+
+        def rule(r: float) -> RankRule:
+            return RankRule(r_k=r, r_v=recipe.v_scale * r, multiple=recipe.multiple, min_rank=recipe.min_rank)
+
+        if previous is not None:
+            curve = [CurvePoint(**p.model_dump()) for p in previous.curve]
+            best = _pick(curve, recipe)
+            measured = dict(eval_text=previous.eval_text, eval_tokens=previous.eval_tokens,
+                            baseline_top1=previous.baseline_top1, baseline_ppl=previous.baseline_ppl)
+        else:
+            windows = text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512, seed=0)
+            evaluator = Evaluator(net, ref.adapter, windows)
+            if recipe.accuracy is not None:
+                best, curve = for_accuracy(bases, evaluator, recipe.accuracy, recipe.metric, rule)
+            else:
+                best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
+            measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
+                            baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
+        ranks = plan_ranks(bases, RankRule(best.r_k, best.r_v, recipe.multiple, recipe.min_rank))
+        factors = [b.truncate(dk, dv) for b, dk, dv in zip(bases, ranks.d_k, ranks.d_v, strict=True)]
+        baked = bake(net, ref.adapter, factors)
+        h = stats.header
+        manifest = Manifest(
+            kvfold_version=kvfold.__version__, torch_version=torch.__version__,
+            transformers_version=transformers.__version__,
+            source=SourceModel(spec=model, path=str(ref.path.resolve()), architecture=ref.architecture,
+                               weights_sha256=sha),
+            calibration=Calibration(source=h.options.source, text=h.options.text, tokens=h.tokens,
+                                    seed=h.options.seed, stats_sha256=h.stats_sha256),
+            method=recipe.method, metric=recipe.metric, target=_target(recipe),
+            rounding_multiple=recipe.multiple, min_rank=recipe.min_rank, head_dim=h.model.head_dim,
+            num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
+            chosen=Point(**vars(best)), curve=[Point(**vars(p)) for p in curve],
+            extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
+            **measured,
+        )
+        manifest = write_checkpoint(baked, ref.path, manifest, tmp)
+    return ExportResult(manifest=manifest, output=Path(output))
+
+
+def _target(recipe: Recipe) -> str:
+    return f"{recipe.metric}>={recipe.accuracy}" if recipe.accuracy is not None else f"compression>={recipe.ratio}"
+
+
+def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manifest:
+    prev = Manifest.load(path)
+    checks = [
+        ("model weights", prev.source.weights_sha256, sha),
+        ("calibration", prev.calibration.stats_sha256, stats.header.stats_sha256),
+        ("method", prev.method, recipe.method),
+        ("rank rounding", (prev.rounding_multiple, prev.min_rank), (recipe.multiple, recipe.min_rank)),
+    ]
+    for what, theirs, ours in checks:
+        if theirs != ours:
+            raise KVFoldError(f"--reuse-curve: '{path}' was searched with a different {what}; "
+                              "export without --reuse-curve")
+    return prev
+
+
+def _pick(curve: list[CurvePoint], recipe: Recipe) -> CurvePoint:
+    if recipe.accuracy is not None:
+        return best_point(curve, recipe.metric, recipe.accuracy, where="on the recorded curve")
+    ok = [p for p in curve if p.compression >= recipe.ratio]
+    if not ok:
+        raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")
+    return min(ok, key=lambda p: p.compression)

@@ -1,0 +1,61 @@
+"""Export options as a pydantic model; a YAML recipe is the same model on disk.
+
+`Recipe.model_validate(yaml.safe_load(text))`; unknown keys are errors, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvfold.errors import KVFoldError
+
+__all__ = ["Recipe", "load_recipe"]
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    accuracy: float | None = Field(default=None, gt=0.0, le=1.0)  # keep ≥ this fraction of the metric
+    ratio: float | None = Field(default=None, ge=0.0, lt=1.0)  # or: reach this KV compression p
+    method: Literal["aware", "zack"] = "aware"
+    metric: Literal["top1", "ppl"] = "top1"
+    eval_text: str = "wiki:dev"
+    eval_tokens: int = Field(default=8192, ge=1)
+    multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
+    min_rank: int = Field(default=8, ge=0)
+    v_scale: float = Field(default=1.0, gt=0.0)  # r_v = v_scale · r_k along the searched family
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Recipe:
+        if (self.accuracy is None) == (self.ratio is None):
+            raise ValueError("give exactly one of accuracy or ratio")
+        return self
+
+
+def load_recipe(path: Path, overrides: dict) -> Recipe:
+    """Recipe from a YAML file (if given) with explicitly passed options on top; errors in one line."""
+    data: dict = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise KVFoldError(f"recipe '{path}' does not exist")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise KVFoldError(f"recipe '{path}' is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise KVFoldError(f"recipe '{path}' must be a mapping of option: value")
+        if {"accuracy", "ratio"} & {k for k, v in overrides.items() if v is not None}:
+            data.pop("accuracy", None)
+            data.pop("ratio", None)
+    data |= {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = "--" + ".".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "options"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise KVFoldError(f"{flag}: {msg}" + (f" (in {path})" if path else "")) from None
