@@ -137,3 +137,22 @@ def test_full_rank_export_from_disk_reproduces_logits(arch, tiny_dirs, tmp_path)
         got = model(input_ids=ids).logits
         want = original(input_ids=ids).logits
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_reuse_curve_evaluates_nothing(setup, tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert _export(setup, first, "--accuracy", 0.8).exit_code == 0
+    prev = Manifest.load(first)
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("--reuse-curve must not evaluate")
+
+    monkeypatch.setattr("kvfold.export.Evaluator", no_evaluation)
+    target = sorted(p.top1_ratio for p in prev.curve)[-2]  # a stricter target that the curve can answer
+    result = _export(setup, second, "--accuracy", target, "--reuse-curve", first)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(second)
+    assert m.curve == prev.curve and m.chosen in prev.curve and m.chosen.top1_ratio >= target
+    assert m.target == f"top1>={target}"
+    mismatch = _export(setup, tmp_path / "c", "--accuracy", 0.8, "--method", "zack", "--reuse-curve", first)
+    assert_user_error(mismatch, "was searched with a different method", tmp_path / "c")

@@ -1,0 +1,38 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvfold.errors import KVFoldError
+from kvfold.plan.recipe import Recipe, load_recipe
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+def test_recipes_are_shipped():
+    assert len(RECIPES) >= 4
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_validate_and_round_trip(path):
+    recipe = Recipe.model_validate(yaml.safe_load(path.read_text()))
+    assert Recipe.model_validate(recipe.model_dump()) == recipe
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("accuracy: 0.99\nmultiple: 16\n")
+    r = load_recipe(f, {"multiple": 8, "ratio": None, "method": None})
+    assert (r.accuracy, r.multiple) == (0.99, 8)
+    r = load_recipe(f, {"ratio": 0.2})  # a target flag replaces the file's target
+    assert (r.accuracy, r.ratio) == (None, 0.2)
+
+
+def test_unknown_keys_and_bad_yaml_are_one_line_errors(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("accuracy: 0.99\naccuracyy: 0.5\n")
+    with pytest.raises(KVFoldError, match=r"--accuracyy: Extra inputs are not permitted"):
+        load_recipe(f, {})
+    f.write_text("accuracy: [0.99\n")
+    with pytest.raises(KVFoldError, match="not valid YAML"):
+        load_recipe(f, {})
