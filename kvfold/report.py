@@ -41,7 +41,7 @@ def calib_summary(result) -> str:
 def export_summary(result) -> str:
     m, c = result.manifest, result.manifest.chosen
     return (f"exported {m.source.spec} ({m.method}) -> {result.output}: KV cache {1 - c.compression:.1%} of the "
-            f"original (p = {c.compression:.3f}), top-1 ratio {c.top1_ratio:.4f}, perplexity ratio "
+            f"original (p = {c.compression:.3f}), top-1 ratio {c.top1_ratio:.4f} ± {c.top1_se:.4f}, perplexity ratio "
             f"{c.ppl_ratio:.4f} on {m.eval_text} ({m.eval_tokens} tokens); {len(m.curve)} points on the curve")
 
 

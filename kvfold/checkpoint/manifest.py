@@ -40,6 +40,7 @@ class Point(_Frozen):
     compression: float
     top1_ratio: float
     ppl_ratio: float
+    top1_se: float  # standard error of top1_ratio, paired over the evaluation windows
 
 
 class Manifest(_Frozen):

@@ -28,6 +28,7 @@ class Metrics:
     top1: float  # next-token top-1 accuracy
     nll: float  # mean next-token negative log-likelihood (nats)
     tokens: int
+    correct: tuple[int, ...] = ()  # top-1 hits per text window, for paired standard errors
 
     @property
     def ppl(self) -> float:
@@ -38,6 +39,16 @@ class Metrics:
         if metric == "ppl":
             return baseline.ppl / self.ppl
         return self.top1 / baseline.top1 if baseline.top1 > 0 else 1.0  # nothing to lose: ratio 1
+
+    def top1_ratio_se(self, baseline: Metrics) -> float:
+        """Standard error of the top-1 ratio R = Σc/Σb, paired over the same text windows (delta method):
+        se = sqrt(W/(W−1) · Σ_w (c_w − R·b_w)²) / Σ_w b_w. It is what the ratio's last digits are worth."""
+        c, b = self.correct, baseline.correct
+        if len(c) < 2 or len(c) != len(b) or sum(b) == 0:
+            return float("nan")
+        r = sum(c) / sum(b)
+        w = len(c)
+        return math.sqrt(w / (w - 1) * sum((ci - r * bi) ** 2 for ci, bi in zip(c, b, strict=True))) / sum(b)
 
 
 def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch:
@@ -69,12 +80,13 @@ class Evaluator:
 
 def score_model(model: nn.Module, windows: Sequences, batch: int = 4) -> Metrics:
     """Next-token top-1 accuracy and mean NLL of `model` as it runs now, over every window."""
-    correct = nll = count = 0.0
+    hits: list[int] = []
+    nll = count = 0.0
     with torch.inference_mode():
         for ids in batches(windows, batch):
             logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
             target = ids[:, 1:]
-            correct += (logits.argmax(-1) == target).sum().item()
+            hits += (logits.argmax(-1) == target).sum(-1).tolist()
             nll += torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="sum").item()
             count += target.numel()
-    return Metrics(top1=correct / count, nll=nll / count, tokens=int(count))
+    return Metrics(top1=sum(hits) / count, nll=nll / count, tokens=int(count), correct=tuple(hits))

@@ -25,6 +25,7 @@ class CurvePoint:
     compression: float
     top1_ratio: float
     ppl_ratio: float
+    top1_se: float  # standard error of top1_ratio (paired over text windows)
 
     def ratio(self, metric: str) -> float:
         return self.top1_ratio if metric == "top1" else self.ppl_ratio
@@ -50,9 +51,9 @@ def search_rate(
         if key not in seen:
             cand, base = score(ranks)
             seen[key] = CurvePoint(rr.r_k, rr.r_v, ranks.compression, cand.ratio(base, "top1"),
-                                   cand.ratio(base, "ppl"))
+                                   cand.ratio(base, "ppl"), cand.top1_ratio_se(base))
         p = seen[key]
-        curve.append(CurvePoint(rr.r_k, rr.r_v, p.compression, p.top1_ratio, p.ppl_ratio))
+        curve.append(CurvePoint(rr.r_k, rr.r_v, p.compression, p.top1_ratio, p.ppl_ratio, p.top1_se))
         return curve[-1]
 
     lo, hi = point(r_lo), point(r_hi)

@@ -42,5 +42,6 @@ def for_compression(bases, evaluator: Evaluator, target: float,
     rr = rule(math.exp(b))
     ranks = plan_ranks(bases, rr)
     cand, base = _scorer(bases, evaluator)(ranks)
-    point = CurvePoint(rr.r_k, rr.r_v, ranks.compression, cand.ratio(base, "top1"), cand.ratio(base, "ppl"))
+    point = CurvePoint(rr.r_k, rr.r_v, ranks.compression, cand.ratio(base, "top1"), cand.ratio(base, "ppl"),
+                       cand.top1_ratio_se(base))
     return point, [point]
