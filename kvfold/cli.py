@@ -83,7 +83,7 @@ def export(
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe with these options (flags override).")] = None,
     method: Annotated[str | None, typer.Option(help="aware (kvfold's, default) or zack (the papers').")] = None,
     eval_text: Annotated[str | None, typer.Option(help="Text the search scores on [wiki:dev].")] = None,
-    eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on [8192].")] = None,
+    eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on [16384].")] = None,
     metric: Annotated[str | None, typer.Option(help="top1 (next-token accuracy, default) or ppl.")] = None,
     multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this [8].")] = None,
     min_rank: Annotated[int | None, typer.Option(help="Smallest rank of any head [8].")] = None,

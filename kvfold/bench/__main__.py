@@ -31,7 +31,7 @@ def export(
     accuracy: Annotated[float, typer.Option(help="Target top-1 ratio.")] = 0.99,
     method: Annotated[list[str] | None, typer.Option(help="Factor methods to compare.")] = None,
     calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens to calibrate on.")] = 16384,
-    eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 8192,
+    eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 16384,
     heldout_tokens: Annotated[int, typer.Option(help="wiki:eval tokens for the held-out check.")] = 16384,
 ) -> None:
     """Export with each method at the target; compression and held-out ratios side by side; JSON."""
