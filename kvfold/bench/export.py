@@ -45,7 +45,9 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
                 "method": method, "compression_p": round(m.chosen.compression, 4),
                 "kv_bytes_fraction": round(1 - m.chosen.compression, 4),
                 "search_top1_ratio": round(m.chosen.top1_ratio, 4),
+                "search_top1_se": round(m.chosen.top1_se, 4),
                 "heldout_top1_ratio": round(held.ratio(base, "top1"), 4),
+                "heldout_top1_se": round(held.top1_ratio_se(base), 4),
                 "heldout_ppl_ratio": round(held.ratio(base, "ppl"), 4),
                 "r": round(m.chosen.r_k, 5), "curve_points": len(m.curve), "export_s": round(seconds, 1),
             })
