@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvfold.calib.artifact import CalibStats
+from kvfold.calib.spectrum import svd_from_gram
 from kvfold.rewrite.factors.base import LayerBasis, inv_sqrt_and_sqrt, ridge
 
 __all__ = ["AwareFactors"]
@@ -33,15 +34,7 @@ class AwareFactors:
             qk_a.append(cq_is @ u * s.sqrt())
             qk_b.append(ck_is @ vh.T * s.sqrt())
             qk_s.append(s)
-            evals, evecs = torch.linalg.eigh(go[g * group : (g + 1) * group].sum(0))
-            v_a.append(evecs.flip(-1))
-            v_s.append(evals.flip(-1).clamp_min(0).sqrt())
-        return LayerBasis(
-            group=group,
-            qk_spectrum=torch.stack(qk_s),
-            v_spectrum=torch.stack(v_s),
-            qk_a=torch.stack([qk_a[h // group] for h in range(heads)]),
-            qk_b=torch.stack(qk_b),
-            v_a=torch.stack(v_a),
-            o_cov=ridge(go),
-        )
+            s_v, axes = svd_from_gram(go[g * group : (g + 1) * group].sum(0))
+            v_a.append(axes)
+            v_s.append(s_v)
+        return LayerBasis.from_groups(heads, qk_a, qk_b, qk_s, v_a, v_s, o_cov=ridge(go))

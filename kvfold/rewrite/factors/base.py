@@ -26,6 +26,15 @@ class LayerBasis:
     v_a: torch.Tensor  # [H_kv, d, d]
     o_cov: torch.Tensor | None  # [H, d, d] attention-output covariance for the refit; None: B_h = A_v
 
+    @classmethod
+    def from_groups(cls, heads: int, qk_a: list, qk_b: list, qk_s: list, v_a: list, v_s: list,
+                    o_cov: torch.Tensor | None) -> LayerBasis:
+        """Per-KV-head lists in; the query side (one A per group) is repeated for each query head."""
+        group = heads // len(qk_b)
+        return cls(group=group, qk_spectrum=torch.stack(qk_s), v_spectrum=torch.stack(v_s),
+                   qk_a=torch.stack([qk_a[h // group] for h in range(heads)]), qk_b=torch.stack(qk_b),
+                   v_a=torch.stack(v_a), o_cov=o_cov)
+
     def truncate(self, d_k: list[int], d_v: list[int]) -> LayerFactors:
         heads = self.qk_a.shape[0]
         kv = [h // self.group for h in range(heads)]

@@ -11,14 +11,10 @@ from __future__ import annotations
 import torch
 
 from kvfold.calib.artifact import CalibStats
+from kvfold.calib.spectrum import svd_from_gram
 from kvfold.rewrite.factors.base import LayerBasis
 
 __all__ = ["ZackFactors"]
-
-
-def _rotation(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    evals, evecs = torch.linalg.eigh(gram)
-    return evecs.flip(-1), evals.flip(-1).clamp_min(0).sqrt()
 
 
 class ZackFactors:
@@ -31,19 +27,11 @@ class ZackFactors:
         n = stats.header.tokens
         qk, qk_s, v, v_s = [], [], [], []
         for g in range(kv_heads):
-            rot, s = _rotation(gq[g * group : (g + 1) * group].sum(0) + gk[g])
-            qk.append(rot)
+            s, axes = svd_from_gram(gq[g * group : (g + 1) * group].sum(0) + gk[g])
+            qk.append(axes)
             qk_s.append(s)
             w = w_o[g * group : (g + 1) * group]  # [group, d, hidden]
-            rot, s = _rotation(gv[g] / n + (w @ w.transpose(1, 2)).sum(0))
-            v.append(rot)
+            s, axes = svd_from_gram(gv[g] / n + (w @ w.transpose(1, 2)).sum(0))
+            v.append(axes)
             v_s.append(s)
-        return LayerBasis(
-            group=group,
-            qk_spectrum=torch.stack(qk_s),
-            v_spectrum=torch.stack(v_s),
-            qk_a=torch.stack([qk[h // group] for h in range(heads)]),
-            qk_b=torch.stack(qk),
-            v_a=torch.stack(v),
-            o_cov=None,
-        )
+        return LayerBasis.from_groups(heads, qk, qk, qk_s, v, v_s, o_cov=None)
