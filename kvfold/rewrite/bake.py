@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from kvfold.adapters import Adapter, HeadLayout
 from kvfold.rewrite.factors import LayerFactors
 
-__all__ = ["K_POST", "Q_POST", "bake"]
+__all__ = ["K_POST", "Q_POST", "bake", "make_projection"]
 
 Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"
 
@@ -32,7 +32,7 @@ def _read(module: nn.Module, layout: str) -> tuple[torch.Tensor, torch.Tensor | 
     return (w if layout == "conv1d" else w.T), b
 
 
-def _make(w_io: torch.Tensor, b: torch.Tensor | None, layout: str, dtype: torch.dtype) -> nn.Module:
+def make_projection(w_io: torch.Tensor, b: torch.Tensor | None, layout: str, dtype: torch.dtype) -> nn.Module:
     n_in, n_out = w_io.shape
     if layout == "conv1d":
         mod = Conv1D(n_out, n_in)
@@ -75,12 +75,12 @@ def bake(model: nn.Module, adapter: Adapter, factors: list[LayerFactors]) -> nn.
             attn.register_parameter(K_POST, nn.Parameter(torch.cat(f.qk_b, 1).to(dtype), requires_grad=False))
         if adapter.qkv_fused:
             b_all = None if bq is None else torch.cat([bq, bk, bv])
-            setattr(attn, adapter.qkv_fused, _make(torch.cat([wq, wk, wv], 1), b_all, pl, dtype))
+            setattr(attn, adapter.qkv_fused, make_projection(torch.cat([wq, wk, wv], 1), b_all, pl, dtype))
         else:
             for name, (w, b) in zip((adapter.q_proj, adapter.k_proj, adapter.v_proj),
                                     ((wq, bq), (wk, bk), (wv, bv)), strict=True):
-                setattr(attn, name, _make(w, b, pl, dtype))
+                setattr(attn, name, make_projection(w, b, pl, dtype))
         wo, bo = _read(getattr(attn, adapter.o_proj), pl)  # [H*d, hidden]
         wo = torch.cat([b_h.T @ wo[h * d : (h + 1) * d] for h, b_h in enumerate(f.o_b)], 0)
-        setattr(attn, adapter.o_proj, _make(wo, bo, pl, dtype))
+        setattr(attn, adapter.o_proj, make_projection(wo, bo, pl, dtype))
     return baked

@@ -9,7 +9,7 @@ runtime package keeps the cache at the compressed widths instead.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from kvfold.adapters import Adapter, HeadLayout, get_adapter
 from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
-from kvfold.rewrite.bake import K_POST, Q_POST, _make
+from kvfold.rewrite.bake import K_POST, Q_POST, make_projection
 
 __all__ = ["load_baked", "padded_forward"]
 
@@ -89,8 +89,7 @@ def padded_forward(baked: nn.Module, adapter: Adapter, d_k: list[list[int]], d_v
         if adapter.rope:
             patches[i] = _rope_patch(attn, [d_k[i][h // group] for h in range(layout.num_heads)], d_k[i], d)
     try:
-        with ExitStack() as stack:
-            stack.enter_context(patched(baked, adapter, patches))
+        with patched(baked, adapter, patches):
             yield baked
     finally:
         for attn, name, orig in saved:
@@ -118,7 +117,7 @@ def load_baked(directory: Path) -> tuple[nn.Module, Adapter, Manifest]:
         hidden = config.hidden_size
 
         def empty(n_in, n_out, like):
-            return _make(torch.zeros(n_in, n_out), None if like.bias is None else torch.zeros(n_out), pl,
+            return make_projection(torch.zeros(n_in, n_out), None if like.bias is None else torch.zeros(n_out), pl,
                          torch.float32)
 
         if adapter.qkv_fused:
