@@ -143,22 +143,29 @@ def test_corrupted_stats_are_detected(tiny_dirs, tmp_path):
     assert_user_error(run("inspect", out), "corrupted")
 
 
-def test_ctrl_c_mid_run_leaves_nothing(tiny_dirs, tmp_path):
-    out = tmp_path / "calib"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfold", "calibrate", str(tiny_dirs[LLAMA]), "-o", str(out),
-         "--tokens", "50000000", "--seq-len", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+@pytest.mark.parametrize("command", ["calibrate", "export"])
+def test_ctrl_c_mid_run_leaves_nothing(command, tiny_dirs, tmp_path):
+    out = tmp_path / "out"
+    model = str(tiny_dirs[LLAMA])
+    if command == "calibrate":
+        args = ["calibrate", model, "-o", str(out), "--tokens", "50000000", "--seq-len", "64"]
+    else:
+        calib = tmp_path / "c"
+        assert run("calibrate", model, "-o", calib, "--tokens", 256, "--seq-len", 64).exit_code == 0
+        text = tmp_path / "long.txt"
+        text.write_text("\n\n".join("some words of text " * 40 for _ in range(4000)))  # ~3M byte tokens
+        args = ["export", model, "--calib", str(calib), "--accuracy", "0.99", "--eval-text", str(text),
+                "--eval-tokens", "3000000", "-o", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "kvfold", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 120
-    while not list(tmp_path.glob(".calib.tmp-*")) and time.time() < deadline and proc.poll() is None:
+    while not list(tmp_path.glob(".out.tmp-*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    time.sleep(2.0)  # well inside the collection loop
+    time.sleep(2.0)  # well inside the run
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2, stderr
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert lines == ["error: interrupted; no output was written"], stderr
-    assert not out.exists() and not list(tmp_path.glob(".calib*"))
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
