@@ -69,7 +69,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             windows = text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512, seed=0)
             evaluator = Evaluator(net, ref.adapter, windows)
             if recipe.accuracy is not None:
-                best, curve = for_accuracy(bases, evaluator, recipe.accuracy, recipe.metric, rule)
+                best, curve = for_accuracy(bases, evaluator, recipe.accuracy, recipe.metric, rule, recipe.margin)
             else:
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
@@ -97,7 +97,10 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
 
 
 def _target(recipe: Recipe) -> str:
-    return f"{recipe.metric}>={recipe.accuracy}" if recipe.accuracy is not None else f"compression>={recipe.ratio}"
+    if recipe.accuracy is None:
+        return f"compression>={recipe.ratio}"
+    margin = f" - {recipe.margin}*se" if recipe.margin else ""
+    return f"{recipe.metric}{margin}>={recipe.accuracy}"
 
 
 def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manifest:
@@ -117,7 +120,7 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
 
 def _pick(curve: list[CurvePoint], recipe: Recipe) -> CurvePoint:
     if recipe.accuracy is not None:
-        return best_point(curve, recipe.metric, recipe.accuracy, where="on the recorded curve")
+        return best_point(curve, recipe.metric, recipe.accuracy, recipe.margin, where="on the recorded curve")
     ok = [p for p in curve if p.compression >= recipe.ratio]
     if not ok:
         raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")

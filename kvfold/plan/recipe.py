@@ -28,11 +28,16 @@ class Recipe(BaseModel):
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
     v_scale: float = Field(default=1.0, gt=0.0)  # r_v = v_scale · r_k along the searched family
+    # Require top-1 ratio − margin × (its standard error) ≥ accuracy: a lower confidence bound instead of
+    # the point estimate (1.0 ≈ 84% one-sided). 0 = the plain definition.
+    margin: float = Field(default=0.0, ge=0.0)
 
     @model_validator(mode="after")
     def _one_target(self) -> Recipe:
         if (self.accuracy is None) == (self.ratio is None):
             raise ValueError("give exactly one of accuracy or ratio")
+        if self.margin and self.metric != "top1":
+            raise ValueError("margin applies to the top1 metric only")
         return self
 
 

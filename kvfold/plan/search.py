@@ -27,8 +27,11 @@ class CurvePoint:
     ppl_ratio: float
     top1_se: float  # standard error of top1_ratio (paired over text windows)
 
-    def ratio(self, metric: str) -> float:
-        return self.top1_ratio if metric == "top1" else self.ppl_ratio
+    def ratio(self, metric: str, margin: float = 0.0) -> float:
+        """The metric ratio, less `margin` standard errors (top-1 only: a lower confidence bound)."""
+        if metric == "ppl":
+            return self.ppl_ratio
+        return self.top1_ratio - (margin * self.top1_se if margin else 0.0)
 
 
 def search_rate(
@@ -40,6 +43,7 @@ def search_rate(
     r_lo: float = 1e-3,
     r_hi: float = 0.5,
     steps: int = 8,
+    margin: float = 0.0,
 ) -> tuple[CurvePoint, list[CurvePoint]]:
     seen: dict[tuple, CurvePoint] = {}
     curve: list[CurvePoint] = []
@@ -57,26 +61,27 @@ def search_rate(
         return curve[-1]
 
     lo, hi = point(r_lo), point(r_hi)
-    if hi.ratio(metric) >= target:
+    if hi.ratio(metric, margin) >= target:
         return hi, curve
-    if lo.ratio(metric) < target:
+    if lo.ratio(metric, margin) < target:
         raise KVFoldError(f"accuracy {target} is not reachable: the mildest compression tried "
-                          f"(p={lo.compression:.3f}) keeps {lo.ratio(metric):.4f} of the original {metric}; "
-                          f"the best reachable is {lo.ratio(metric):.4f}, ask for that or less")
+                          f"(p={lo.compression:.3f}) keeps {lo.ratio(metric, margin):.4f} of the original {metric}; "
+                          f"the best reachable is {lo.ratio(metric, margin):.4f}, ask for that or less")
     a, b = math.log(r_lo), math.log(r_hi)
     for _ in range(steps):
         mid = (a + b) / 2
-        if point(math.exp(mid)).ratio(metric) >= target:
+        if point(math.exp(mid)).ratio(metric, margin) >= target:
             a = mid
         else:
             b = mid
-    return best_point(curve, metric, target), sorted(curve, key=lambda p: (p.r_k, p.r_v))
+    return best_point(curve, metric, target, margin), sorted(curve, key=lambda p: (p.r_k, p.r_v))
 
 
-def best_point(curve: list[CurvePoint], metric: str, target: float, where: str = "") -> CurvePoint:
+def best_point(curve: list[CurvePoint], metric: str, target: float, margin: float = 0.0,
+               where: str = "") -> CurvePoint:
     """The most compressed point meeting the target (ties: the more accurate)."""
-    ok = [p for p in curve if p.ratio(metric) >= target]
+    ok = [p for p in curve if p.ratio(metric, margin) >= target]
     if not ok:
-        top = max(p.ratio(metric) for p in curve)
+        top = max(p.ratio(metric, margin) for p in curve)
         raise KVFoldError(f"accuracy {target} is not reachable {where}: the best is {top:.4f}; ask for that or less")
     return max(ok, key=lambda p: (p.compression, p.ratio(metric)))

@@ -22,9 +22,10 @@ def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
     return score
 
 
-def for_accuracy(bases, evaluator: Evaluator, target: float, metric: str,
-                 rule: Callable[[float], RankRule]) -> tuple[CurvePoint, list[CurvePoint]]:
-    return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, metric, rule)
+def for_accuracy(bases, evaluator: Evaluator, target: float, metric: str, rule: Callable[[float], RankRule],
+                 margin: float = 0.0) -> tuple[CurvePoint, list[CurvePoint]]:
+    return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, metric, rule,
+                       margin=margin)
 
 
 def for_compression(bases, evaluator: Evaluator, target: float,

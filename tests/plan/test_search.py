@@ -21,6 +21,21 @@ def _score(edge: float):
     return score
 
 
+def _smooth(ranks: RankPlan):
+    """top-1 ratio 1 − p/10 with per-window noise, so the standard error is > 0."""
+    ratio = 1.0 - ranks.compression / 10
+    hits = (round(500 * ratio) + 1, round(500 * ratio) - 1)
+    base = Metrics(top1=0.5, nll=2.0, tokens=2000, correct=(500, 500))
+    return Metrics(top1=sum(hits) / 2000, nll=2.0, tokens=2000, correct=hits), base
+
+
+def test_margin_picks_a_safer_point():
+    plain, _ = search_rate(_plan, _smooth, 0.99, "top1", lambda r: RankRule(r, r))
+    safe, _ = search_rate(_plan, _smooth, 0.99, "top1", lambda r: RankRule(r, r), margin=2.0)
+    assert safe.top1_se > 0 and safe.compression < plain.compression
+    assert safe.top1_ratio - 2.0 * safe.top1_se >= 0.99
+
+
 def test_search_finds_the_largest_compression_meeting_the_target():
     best, curve = search_rate(_plan, _score(0.2), 0.99, "top1", lambda r: RankRule(r, r))
     assert best.top1_ratio >= 0.99 and 0.17 < best.compression <= 0.2
