@@ -24,7 +24,7 @@ __all__ = ["bench_export"]
 
 
 def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: int, eval_tokens: int,
-                 heldout_tokens: int) -> dict:
+                 heldout_tokens: int, margin: float = 0.0) -> dict:
     ref = resolve_model(model)
     heldout = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:eval"),
                              heldout_tokens, 512, seed=0)
@@ -35,7 +35,7 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
         api.calibrate(model, calib, text="wiki:calib", tokens=calib_tokens)
         for method in methods:
             t0 = time.perf_counter()
-            recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens)
+            recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens, margin=margin)
             result = api.export(model, calib, Path(tmp) / method, recipe)
             seconds = time.perf_counter() - t0
             baked, adapter, m = load_baked(result.output)
@@ -52,7 +52,8 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
                 "r": round(m.chosen.r_k, 5), "curve_points": len(m.curve), "export_s": round(seconds, 1),
             })
     return {
-        "benchmark": "export", "model": model, "target_top1_ratio": accuracy, "calibration": "wiki:calib",
+        "benchmark": "export", "model": model, "target_top1_ratio": accuracy, "margin_se": margin,
+        "calibration": "wiki:calib",
         "calib_tokens": calib_tokens, "search_text": "wiki:dev", "search_tokens": eval_tokens,
         "heldout_text": "wiki:eval", "heldout_tokens": base.tokens, "baseline_heldout_top1": round(base.top1, 4),
         "baseline_heldout_ppl": round(base.ppl, 3), "methods": rows,
