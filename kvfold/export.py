@@ -16,7 +16,7 @@ from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_dir
 from kvfold.plan.evaluate import Evaluator
-from kvfold.plan.ranks import RankRule, plan_ranks
+from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
 from kvfold.plan.targets import for_accuracy, for_compression
@@ -75,8 +75,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
         ranks = plan_ranks(bases, RankRule(best.r_k, best.r_v, recipe.multiple, recipe.min_rank))
-        factors = [b.truncate(dk, dv) for b, dk, dv in zip(bases, ranks.d_k, ranks.d_v, strict=True)]
-        baked = bake(net, ref.adapter, factors)
+        baked = bake(net, ref.adapter, factors_for(bases, ranks))
         h = stats.header
         manifest = Manifest(
             kvfold_version=kvfold.__version__, torch_version=torch.__version__,

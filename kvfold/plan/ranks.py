@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 
 from kvfold.calib.spectrum import rank_for_removal
-from kvfold.rewrite.factors import LayerBasis
+from kvfold.rewrite.factors import LayerBasis, LayerFactors
 
-__all__ = ["RankPlan", "RankRule", "plan_ranks"]
+__all__ = ["RankPlan", "RankRule", "factors_for", "plan_ranks"]
 
 
 @dataclass(frozen=True)
@@ -41,3 +41,8 @@ def plan_ranks(bases: list[LayerBasis], rule: RankRule) -> RankPlan:
     d_k = [[_round(rank_for_removal(s, rule.r_k), rule, d) for s in b.qk_spectrum] for b in bases]
     d_v = [[_round(rank_for_removal(s, rule.r_v), rule, d) for s in b.v_spectrum] for b in bases]
     return RankPlan(d_k=d_k, d_v=d_v, head_dim=d)
+
+
+def factors_for(bases: list[LayerBasis], plan: RankPlan) -> list[LayerFactors]:
+    """Every layer's basis truncated to the plan's ranks."""
+    return [b.truncate(dk, dv) for b, dk, dv in zip(bases, plan.d_k, plan.d_v, strict=True)]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from kvfold.errors import KVFoldError
 from kvfold.plan.evaluate import Evaluator
-from kvfold.plan.ranks import RankPlan, RankRule, plan_ranks
+from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
 from kvfold.plan.search import CurvePoint, search_rate
 from kvfold.rewrite.factors import LayerBasis
 
@@ -16,8 +16,7 @@ __all__ = ["for_accuracy", "for_compression"]
 
 def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
     def score(ranks: RankPlan):
-        factors = [b.truncate(dk, dv) for b, dk, dv in zip(bases, ranks.d_k, ranks.d_v, strict=True)]
-        return evaluator.score(factors), evaluator.baseline
+        return evaluator.score(factors_for(bases, ranks)), evaluator.baseline
 
     return score
 
