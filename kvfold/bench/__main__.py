@@ -34,10 +34,11 @@ def export(
     eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 16384,
     heldout_tokens: Annotated[int, typer.Option(help="wiki:eval tokens for the held-out check.")] = 16384,
     margin: Annotated[float, typer.Option(help="Standard errors of margin in the search.")] = 0.0,
+    multiple: Annotated[int, typer.Option(help="Round ranks up to a multiple of this.")] = 8,
 ) -> None:
     """Export with each method at the target; compression and held-out ratios side by side; JSON."""
     report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens,
-                          margin)
+                          margin, multiple)
     print(json.dumps(report, indent=2))
 
 

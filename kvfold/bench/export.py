@@ -24,7 +24,7 @@ __all__ = ["bench_export"]
 
 
 def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: int, eval_tokens: int,
-                 heldout_tokens: int, margin: float = 0.0) -> dict:
+                 heldout_tokens: int, margin: float = 0.0, multiple: int = 8) -> dict:
     ref = resolve_model(model)
     heldout = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:eval"),
                              heldout_tokens, 512, seed=0)
@@ -35,7 +35,8 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
         api.calibrate(model, calib, text="wiki:calib", tokens=calib_tokens)
         for method in methods:
             t0 = time.perf_counter()
-            recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens, margin=margin)
+            recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens, margin=margin,
+                            multiple=multiple, min_rank=min(8, multiple))
             result = api.export(model, calib, Path(tmp) / method, recipe)
             seconds = time.perf_counter() - t0
             baked, adapter, m = load_baked(result.output)
@@ -53,6 +54,7 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
             })
     return {
         "benchmark": "export", "model": model, "target_top1_ratio": accuracy, "margin_se": margin,
+        "rank_multiple": multiple,
         "calibration": "wiki:calib",
         "calib_tokens": calib_tokens, "search_text": "wiki:dev", "search_tokens": eval_tokens,
         "heldout_text": "wiki:eval", "heldout_tokens": base.tokens, "baseline_heldout_top1": round(base.top1, 4),
