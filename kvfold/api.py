@@ -19,11 +19,12 @@ from kvfold.calib.tokens import batches, prune, random_sequences, text_sequences
 from kvfold.errors import KVFoldError
 from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
+from kvfold.plan.recipe import Recipe, load_recipe
 from kvfold.sources.models import DTYPES, load_model, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
-__all__ = ["CalibResult", "ExportResult", "calibrate", "export", "inspect", "prepare"]
+__all__ = ["CalibResult", "ExportResult", "Recipe", "calibrate", "export", "inspect", "load_recipe", "prepare"]
 
 
 @dataclass(frozen=True)

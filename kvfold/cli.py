@@ -14,7 +14,6 @@ from rich.logging import RichHandler
 
 from kvfold import api
 from kvfold.errors import KVFoldError
-from kvfold.plan.recipe import load_recipe
 from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table
 
 app = typer.Typer(
@@ -96,7 +95,7 @@ def export(
 ) -> None:
     """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
     with user_errors():
-        options = load_recipe(recipe, dict(
+        options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin))
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force)
