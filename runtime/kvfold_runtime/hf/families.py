@@ -1,0 +1,47 @@
+"""The source architectures kvfold exports, as data: where their attention projections live and how
+their attention differs (RoPE or not, QK-norm, fused QKV, where the score scale is applied).
+
+kvfold's compiler keeps its own adapter table (kvfold.adapters); the runtime does not import kvfold,
+so a serving machine needs only this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FAMILIES", "Family"]
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # the source HF class, e.g. LlamaForCausalLM
+    module: str  # its modeling module, for the class and (RoPE models) apply_rotary_pos_emb
+    attention: str  # the attention class whose instances are replaced
+    rope: bool
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    qkv_fused: str | None = None  # GPT-2's c_attn: one Conv1D giving [q | k | v]
+    conv1d: bool = False  # weights stored [in, out] (GPT-2)
+    qk_norm: bool = False  # q_norm / k_norm over each head before RoPE (Qwen3, Gemma 3)
+    prescale_q: bool = False  # OPT multiplies q by the scale right after q_proj, attention scale 1
+    resid_dropout: bool = False  # GPT-2 applies it inside the attention module
+
+
+def _llama_like(arch: str, model: str, prefix: str, **kw) -> Family:
+    return Family(arch, f"transformers.models.{model}.modeling_{model}", f"{prefix}Attention", rope=True, **kw)
+
+
+FAMILIES = {f.architecture: f for f in (
+    _llama_like("LlamaForCausalLM", "llama", "Llama"),
+    _llama_like("MistralForCausalLM", "mistral", "Mistral"),
+    _llama_like("Qwen2ForCausalLM", "qwen2", "Qwen2"),
+    _llama_like("Qwen3ForCausalLM", "qwen3", "Qwen3", qk_norm=True),
+    _llama_like("Gemma2ForCausalLM", "gemma2", "Gemma2"),
+    _llama_like("Gemma3ForCausalLM", "gemma3", "Gemma3", qk_norm=True),
+    Family("GPT2LMHeadModel", "transformers.models.gpt2.modeling_gpt2", "GPT2Attention", rope=False,
+           o_proj="c_proj", qkv_fused="c_attn", conv1d=True, resid_dropout=True),
+    Family("OPTForCausalLM", "transformers.models.opt.modeling_opt", "OPTAttention", rope=False,
+           o_proj="out_proj", prescale_q=True),
+)}

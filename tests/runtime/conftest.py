@@ -1,0 +1,71 @@
+"""Exports of the tiny models at chosen per-head ranks, written to disk the way `kvfold export` does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import kvfold
+from kvfold.adapters import HeadLayout, get_adapter
+from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
+from kvfold.checkpoint.writer import write_checkpoint
+from kvfold.rewrite.bake import K_POST, Q_POST, bake
+from tests.conftest import build_tiny
+from tests.rewrite.test_bake import _factors
+
+
+def full_ranks(model) -> tuple[list[list[int]], list[list[int]]]:
+    layout = HeadLayout.from_config(model.config)
+    full = [[layout.head_dim] * layout.num_kv_heads for _ in range(layout.num_layers)]
+    return full, [list(r) for r in full]
+
+
+def uneven_ranks(model) -> tuple[list[list[int]], list[list[int]]]:
+    """Every layer and KV head at a different width, d_k ≠ d_v."""
+    layout = HeadLayout.from_config(model.config)
+    d = layout.head_dim
+    d_k = [[d - 4 * ((i + g) % 3) for g in range(layout.num_kv_heads)] for i in range(layout.num_layers)]
+    d_v = [[d - 4 * ((i + 2 * g + 1) % 3) - 1 for g in range(layout.num_kv_heads)] for i in range(layout.num_layers)]
+    return d_k, d_v
+
+
+@dataclass
+class TinyExport:
+    original: torch.nn.Module  # the tiny source model
+    path: Path  # the exported directory
+    manifest: Manifest
+
+
+def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method: str = "aware") -> TinyExport:
+    """Bake the tiny `arch` model (saved at `source`) at full or uneven ranks into `out`."""
+    model = build_tiny(arch)
+    d_k, d_v = (full_ranks if ranks == "full" else uneven_ranks)(model)
+    layout = HeadLayout.from_config(model.config)
+    factors = _factors(model, arch, method, d_k, d_v)
+    baked = bake(model, get_adapter(arch), factors)
+    p = 1 - sum(map(sum, d_k + d_v)) / (2 * layout.head_dim * layout.num_kv_heads * layout.num_layers)
+    point = Point(r_k=0.0, r_v=0.0, compression=p, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0)
+    manifest = Manifest(
+        kvfold_version=kvfold.__version__, torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        source=SourceModel(spec=str(source), path=str(source), architecture=arch, weights_sha256="test"),
+        calibration=Calibration(source="random", text=None, tokens=512, seed=0, stats_sha256="test"),
+        method=method, metric="top1", target="compression>=0", eval_text="test", eval_tokens=0,
+        baseline_top1=0.0, baseline_ppl=0.0, rounding_multiple=1, min_rank=1, head_dim=layout.head_dim,
+        num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, d_k=d_k, d_v=d_v, chosen=point,
+        curve=[point], extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
+    )
+    out.mkdir(parents=True)
+    return TinyExport(model, out, write_checkpoint(baked, source, manifest, out))
+
+
+@pytest.fixture(scope="session")
+def tiny_exports(tiny_dirs, tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
+    """(architecture, "full" | "uneven") -> a tiny export on disk, built once per test run."""
+    root = tmp_path_factory.mktemp("exports")
+    return {(arch, ranks): write_export(arch, tiny_dirs[arch], root / f"{arch}-{ranks}", ranks)
+            for arch in tiny_dirs for ranks in ("full", "uneven")}

@@ -1,0 +1,96 @@
+"""Exports served through transformers by kvfold_runtime: exact at full rank, the compressed model at
+uneven ranks, a cache that really holds the compressed widths."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvfold_runtime
+from kvfold.rewrite.reference import load_baked, padded_forward
+from tests.conftest import TINY_CONFIGS, VOCAB
+
+ARCHS = sorted(TINY_CONFIGS)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _ids(seed, shape=(2, 24)):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _eager(model):
+    model.set_attn_implementation("eager")  # Gemma 2's soft-capping exists only in eager attention
+    return model
+
+
+def _serve(export):
+    return AutoModelForCausalLM.from_pretrained(export.path).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_rank_export_reproduces_the_original(tiny_exports, arch):
+    export = tiny_exports[arch, "full"]
+    original, served = _eager(export.original), _serve(export)
+    assert type(served).__name__ == f"KVFold{arch}"
+    ids = _ids(1)
+    with torch.inference_mode():
+        assert _rel(served(input_ids=ids).logits, original(input_ids=ids).logits) < 1e-5
+        # 40 new tokens: past the tiny models' sliding window (16), all through the cache
+        want = original.generate(ids[:1, :6], max_new_tokens=40, do_sample=False)
+        got = served.generate(ids[:1, :6], max_new_tokens=40, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_uneven_export_computes_the_baked_model(tiny_exports, arch):
+    """kvfold's padded reference forward of the same files is the oracle; the runtime must agree
+    in one pass, in incremental decoding, and with a left-padded batch."""
+    export = tiny_exports[arch, "uneven"]
+    served = _serve(export)
+    baked, adapter, m = load_baked(export.path)
+    ids = _ids(2)
+    pad = torch.ones_like(ids)
+    pad[0, :5] = 0
+    with torch.inference_mode(), padded_forward(_eager(baked), adapter, m.d_k, m.d_v):
+        want = baked(input_ids=ids).logits
+        want_padded = baked(input_ids=ids, attention_mask=pad).logits
+    with torch.inference_mode():
+        assert _rel(served(input_ids=ids).logits, want) < 1e-5
+        assert _rel(want, export.original(input_ids=ids).logits) > 1e-3  # compression changed something
+        cache = DynamicCache(config=served.config)
+        first = served(input_ids=ids[:, :10], past_key_values=cache).logits  # prefill
+        chunk = served(input_ids=ids[:, 10:20], past_key_values=cache).logits  # chunked prefill, T < S
+        steps = [served(input_ids=ids[:, i : i + 1], past_key_values=cache).logits for i in range(20, 24)]
+        assert _rel(torch.cat([first, chunk, *steps], 1), want) < 1e-5
+        got_padded = served(input_ids=ids, attention_mask=pad).logits
+    assert _rel(got_padded[:, 5:], want_padded[:, 5:]) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GPT2LMHeadModel", "Gemma3ForCausalLM"])
+def test_cache_holds_the_compressed_widths(tiny_exports, arch):
+    export = tiny_exports[arch, "uneven"]
+    served, m = _serve(export), export.manifest
+    ids = _ids(3, (3, 12))
+    with torch.inference_mode():
+        cache = served(input_ids=ids, use_cache=True).past_key_values
+        full = export.original(input_ids=ids, use_cache=True).past_key_values
+    for layer, d_k, d_v in zip(cache.layers, m.d_k, m.d_v, strict=True):
+        assert layer.keys.shape == (3, 1, 12, sum(d_k)) and layer.values.shape == (3, 1, 12, sum(d_v))
+    ratio = kvfold_runtime.kv_cache_bytes(cache) / kvfold_runtime.kv_cache_bytes(full)
+    assert ratio == pytest.approx(1 - m.chosen.compression, abs=1e-12) and ratio < 1
+
+
+def test_plain_checkpoints_still_load_as_their_own_class(tiny_dirs):
+    assert type(AutoModelForCausalLM.from_pretrained(tiny_dirs["LlamaForCausalLM"])) is LlamaForCausalLM
+    assert type(AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=1, hidden_size=32,
+                                                             intermediate_size=32))) is LlamaForCausalLM
+    kvfold_runtime.register()  # idempotent
+    assert type(AutoModelForCausalLM.from_pretrained(tiny_dirs["LlamaForCausalLM"])) is LlamaForCausalLM
+
+
+def test_a_config_without_the_kvfold_block_is_refused(tiny_dirs):
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32)
+    with pytest.raises(ValueError, match="not a kvfold export"):
+        kvfold_runtime.RUNTIME_CLASSES["KVFoldLlamaForCausalLM"](config)
