@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from rich.logging import RichHandler
 
 from kvfold import api
 from kvfold.errors import KVFoldError
-from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table
+from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table, verify_table
 
 app = typer.Typer(
     help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
@@ -100,6 +101,25 @@ def export(
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin))
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force)
     out.print(export_summary(result))
+
+
+@app.command()
+def verify(
+    export_dir: Annotated[Path, typer.Argument(metavar="EXPORTED", help="A directory written by kvfold export.")],
+    against: Annotated[str | None, typer.Option(help="The original model [the source in the manifest].")] = None,
+    eval_text: Annotated[str, typer.Option(help="Held-out text to compare on.")] = "wiki:eval",
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text to compare on.")] = 16384,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check files, shapes, fidelity against the original and live KV-cache bytes. Exit 0 pass, 1 a check
+    failed, 2 bad input."""
+    with user_errors():
+        report = api.verify(export_dir, against=against, eval_text=eval_text, eval_tokens=eval_tokens)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        out.print(verify_table(report))
+    raise typer.Exit(0 if report.ok else 1)
 
 
 @app.command()

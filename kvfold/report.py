@@ -12,7 +12,7 @@ from rich.table import Table
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
 
-__all__ = ["calib_summary", "export_summary", "progress_bar", "spectrum_table"]
+__all__ = ["calib_summary", "export_summary", "progress_bar", "spectrum_table", "verify_table"]
 
 _KIND_NAMES = {"q": "Q (post-RoPE)", "k": "K (post-RoPE)", "v": "V", "o": "attn out"}
 
@@ -57,4 +57,23 @@ def spectrum_table(header: CalibHeader, rows: list[LayerSpectrum]) -> Table:
     means = {k: [sum(r.dims[k][i] for r in rows) / len(rows) for i in range(len(MASSES))] for k in _KIND_NAMES}
     table.add_section()
     table.add_row("mean", *("/".join(f"{d:.1f}" for d in means[k]) for k in _KIND_NAMES))
+    return table
+
+
+def verify_table(report) -> Table:
+    """Checks, then the figures, then the two generations side by side."""
+    table = Table(title=f"kvfold verify {report.export}", show_lines=False)
+    table.add_column("check")
+    table.add_column("", justify="center")
+    table.add_column("detail")
+    for c in report.checks:
+        table.add_row(c.name, "[green]ok[/green]" if c.ok else "[red]FAILED[/red]", c.detail)
+    g = report.generation
+    if g:
+        table.add_section()
+        table.add_row("prompt", "", g["prompt"])
+        table.add_row("original", "", g["original"])
+        table.add_row("exported", "", f"{g['exported']}  [dim]({g['identical_tokens']}/{g['new_tokens']} tokens "
+                                      "identical)[/dim]")
+    table.caption = "all checks passed" if report.ok else f"FAILED: {', '.join(c.name for c in report.failed())}"
     return table

@@ -14,6 +14,7 @@ from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
+from kvfold.sources.models import weights_sha256
 from tests.conftest import build_tiny
 from tests.rewrite.test_bake import _factors
 
@@ -52,7 +53,8 @@ def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method
     manifest = Manifest(
         kvfold_version=kvfold.__version__, torch_version=torch.__version__,
         transformers_version=transformers.__version__,
-        source=SourceModel(spec=str(source), path=str(source), architecture=arch, weights_sha256="test"),
+        source=SourceModel(spec=str(source), path=str(source), architecture=arch,
+                           weights_sha256=weights_sha256(source)),
         calibration=Calibration(source="random", text=None, tokens=512, seed=0, stats_sha256="test"),
         method=method, metric="top1", target="compression>=0", eval_text="test", eval_tokens=0,
         baseline_top1=0.0, baseline_ppl=0.0, rounding_multiple=1, min_rank=1, head_dim=layout.head_dim,

@@ -1,0 +1,7 @@
+"""`kvfold verify`: is an exported directory intact (integrity.py), and does it serve what its
+manifest promises (serving.py)? Both return named checks; verify.py puts them together."""
+
+from kvfold.verify.report import Check, VerifyReport
+from kvfold.verify.verify import verify
+
+__all__ = ["Check", "VerifyReport", "verify"]

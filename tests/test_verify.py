@@ -1,0 +1,92 @@
+"""kvfold verify on a real (tiny) export: passes when intact, names the problem when tampered with."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.test_cli import assert_user_error, run
+
+LLAMA = "LlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    text = root / "eval.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    calib, out = root / "calib", root / "exported"
+    assert run("calibrate", tiny_dirs[LLAMA], "-o", calib, "--tokens", 512, "--seq-len", 64).exit_code == 0
+    result = run("export", tiny_dirs[LLAMA], "--calib", calib, "--eval-text", text, "--eval-tokens", 256,
+                 "--ratio", 0.3, "--multiple", 1, "--min-rank", 4, "-o", out)
+    assert result.exit_code == 0, result.output
+    return out, text
+
+
+def _verify(path, text, *extra):
+    return run("verify", path, "--eval-text", text, "--eval-tokens", 256, "--json", *extra)
+
+
+def _copy(exported, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(exported[0], dst)
+    return dst
+
+
+def test_an_intact_export_passes(exported):
+    result = _verify(*exported)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    manifest = json.loads((exported[0] / "kvfold.json").read_text())
+    assert report["ok"] and {c["name"] for c in report["checks"]} == {
+        "manifest", "files", "config", "shapes", "loads", "fidelity", "kv_bytes"}
+    # same text as the search: the served files reproduce the recorded ratio
+    assert report["metric_ratio"] == pytest.approx(manifest["chosen"]["top1_ratio"], abs=report["tolerance"])
+    assert report["kv_bytes_ratio"] == pytest.approx(1 - manifest["chosen"]["compression"], abs=1e-12)
+    assert report["kv_bytes_ratio"] < 1 and report["generation"]["new_tokens"] == 32
+
+
+def _failed(result) -> dict[str, str]:
+    assert result.exit_code == 1, result.output
+    return {c["name"]: c["detail"] for c in json.loads(result.stdout)["checks"] if not c["ok"]}
+
+
+def test_a_flipped_byte_in_a_shard_fails(exported, tmp_path):
+    copy = _copy(exported, tmp_path)
+    shard = next(copy.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01  # inside the tensor data: the file still parses
+    shard.write_bytes(bytes(data))
+    assert f"{shard.name} differs from the manifest (sha256)" in _failed(_verify(copy, exported[1]))["files"]
+
+
+def test_an_edited_rank_in_the_manifest_fails(exported, tmp_path):
+    copy = _copy(exported, tmp_path)
+    manifest = json.loads((copy / "kvfold.json").read_text())
+    manifest["d_k"][0][0] -= 1
+    (copy / "kvfold.json").write_text(json.dumps(manifest))
+    failed = _failed(_verify(copy, exported[1]))
+    assert "d_k/d_v differ" in failed["config"]
+    assert "kvfold_k_post has shape" in failed["shapes"]
+
+
+def test_a_deleted_file_fails(exported, tmp_path):
+    copy = _copy(exported, tmp_path)
+    (copy / "tokenizer.json").unlink()
+    assert "tokenizer.json is missing" in _failed(_verify(copy, exported[1]))["files"]
+
+
+def test_an_unlisted_weight_file_fails(exported, tmp_path):
+    copy = _copy(exported, tmp_path)
+    shutil.copy(next(copy.glob("*.safetensors")), copy / "extra.safetensors")
+    assert "extra.safetensors is not listed" in _failed(_verify(copy, exported[1]))["files"]
+
+
+def test_not_a_kvfold_directory_is_bad_input(tiny_dirs, exported, tmp_path):
+    assert_user_error(_verify(tiny_dirs[LLAMA], exported[1]), "is not a kvfold export")
+    assert_user_error(_verify(tmp_path / "nowhere", exported[1]), "is not a directory")
+
+
+def test_against_another_model_fails(exported, tiny_dirs):
+    failed = _failed(_verify(*exported, "--against", tiny_dirs["Qwen2ForCausalLM"]))
+    assert "is not the model this was exported from" in failed["against"]
