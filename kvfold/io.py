@@ -56,6 +56,9 @@ def atomic_dir(target: Path, force: bool = False) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs are meant to be shared
     try:
         yield tmp
+        for f in tmp.rglob("*"):  # some writers (safetensors shards) make 0600 files; outputs are shared
+            if f.is_file():
+                os.chmod(f, 0o666 & ~_umask())
         # Swap in two renames; the old output is removed only once the new one is complete.
         old = None
         if target.exists():

@@ -1,6 +1,7 @@
 """kvfold export end to end on a tiny model, and its bad inputs."""
 
 import json
+import os
 
 import pytest
 from safetensors.torch import load_file
@@ -48,6 +49,9 @@ def test_export_writes_a_verifiable_hf_directory(setup, tmp_path, method):
     assert tensors["model.layers.0.self_attn.o_proj.weight"].shape == (64, 2 * d_v)  # group of 2
     assert tensors["model.layers.0.self_attn.kvfold_k_post"].shape == (16, sum(m.d_k[0]))
     assert (out / "tokenizer.json").exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o666 & ~umask}  # shareable, like any HF dir
 
 
 def test_ratio_target(setup, tmp_path):

@@ -1,14 +1,17 @@
-"""python -m kvfold.bench calibrate|export ... — each prints JSON measured in that run."""
+"""python -m kvfold.bench calibrate|export|memory ... — each prints JSON measured in that run."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvfold.bench.calibrate import bench_calibrate, one_point
 from kvfold.bench.export import bench_export
+from kvfold.bench.memory import bench_memory, one_run
+from kvfold.sources.embedded import cache_root
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
@@ -40,6 +43,23 @@ def export(
     report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens,
                           margin, multiple)
     print(json.dumps(report, indent=2))
+
+
+@app.command()
+def memory(
+    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    against: Annotated[str | None, typer.Option(help="The original model [the manifest's source].")] = None,
+    context: Annotated[int, typer.Option(help="Prompt tokens (wiki:eval).")] = 4096,
+    new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+) -> None:
+    """Peak memory of greedy generation, exported vs original, each in a fresh process; JSON."""
+    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    print(json.dumps(bench_memory(export, against, context, new_tokens), indent=2))
+
+
+@app.command("memory-point", hidden=True)
+def memory_point(model: str, context: int = 4096, new_tokens: int = 32, exported: bool = False) -> None:
+    print(json.dumps(one_run(model, exported, context, new_tokens)))
 
 
 @app.command("calibrate-point", hidden=True)

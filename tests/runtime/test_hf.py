@@ -93,4 +93,4 @@ def test_plain_checkpoints_still_load_as_their_own_class(tiny_dirs):
 def test_a_config_without_the_kvfold_block_is_refused(tiny_dirs):
     config = LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32)
     with pytest.raises(ValueError, match="not a kvfold export"):
-        kvfold_runtime.RUNTIME_CLASSES["KVFoldLlamaForCausalLM"](config)
+        kvfold_runtime.runtime_class("LlamaForCausalLM")(config)

@@ -15,6 +15,7 @@ __all__ = ["FAMILIES", "Family"]
 @dataclass(frozen=True)
 class Family:
     architecture: str  # the source HF class, e.g. LlamaForCausalLM
+    config: str  # its config class (importing it does not import the modeling code)
     module: str  # its modeling module, for the class and (RoPE models) apply_rotary_pos_emb
     attention: str  # the attention class whose instances are replaced
     rope: bool
@@ -29,8 +30,9 @@ class Family:
     resid_dropout: bool = False  # GPT-2 applies it inside the attention module
 
 
-def _llama_like(arch: str, model: str, prefix: str, **kw) -> Family:
-    return Family(arch, f"transformers.models.{model}.modeling_{model}", f"{prefix}Attention", rope=True, **kw)
+def _llama_like(arch: str, model: str, prefix: str, config: str = "", **kw) -> Family:
+    return Family(arch, config or f"{prefix}Config", f"transformers.models.{model}.modeling_{model}",
+                  f"{prefix}Attention", rope=True, **kw)
 
 
 FAMILIES = {f.architecture: f for f in (
@@ -39,9 +41,9 @@ FAMILIES = {f.architecture: f for f in (
     _llama_like("Qwen2ForCausalLM", "qwen2", "Qwen2"),
     _llama_like("Qwen3ForCausalLM", "qwen3", "Qwen3", qk_norm=True),
     _llama_like("Gemma2ForCausalLM", "gemma2", "Gemma2"),
-    _llama_like("Gemma3ForCausalLM", "gemma3", "Gemma3", qk_norm=True),
-    Family("GPT2LMHeadModel", "transformers.models.gpt2.modeling_gpt2", "GPT2Attention", rope=False,
+    _llama_like("Gemma3ForCausalLM", "gemma3", "Gemma3", config="Gemma3TextConfig", qk_norm=True),
+    Family("GPT2LMHeadModel", "GPT2Config", "transformers.models.gpt2.modeling_gpt2", "GPT2Attention", rope=False,
            o_proj="c_proj", qkv_fused="c_attn", conv1d=True, resid_dropout=True),
-    Family("OPTForCausalLM", "transformers.models.opt.modeling_opt", "OPTAttention", rope=False,
+    Family("OPTForCausalLM", "OPTConfig", "transformers.models.opt.modeling_opt", "OPTAttention", rope=False,
            o_proj="out_proj", prescale_q=True),
 )}

@@ -7,19 +7,23 @@ mapping of the source config class gets a small dispatcher that loads the KVFold
 `architectures` names it and the source class otherwise, so plain checkpoints load as before.
 (transformers' own tuple-valued mappings would do the same but fail on configs whose `architectures`
 is None, e.g. `AutoModelForCausalLM.from_config(LlamaConfig())`.)
+
+Classes are built on first use: `import kvfold_runtime` imports config classes only, no modeling code.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 
+import transformers
 from transformers import AutoModelForCausalLM
 
 from kvfold_runtime.dims import model_dims
 from kvfold_runtime.hf.attention import KVFoldAttention
 from kvfold_runtime.hf.families import FAMILIES, Family
 
-__all__ = ["RUNTIME_CLASSES", "register", "runtime_class_name"]
+__all__ = ["register", "runtime_class", "runtime_class_name"]
 
 
 def runtime_class_name(architecture: str) -> str:
@@ -39,29 +43,34 @@ def _compress_attention(model, family: Family) -> None:
     assert found == len(dims), f"{family.attention}: found {found} attention modules, config lists {len(dims)}"
 
 
-def _make_class(family: Family) -> type:
+@functools.cache
+def runtime_class(architecture: str) -> type:
+    """The KVFold class serving exports of `architecture` (a source class name, e.g. LlamaForCausalLM)."""
+    if architecture not in FAMILIES:
+        raise ValueError(f"kvfold-runtime does not serve {architecture}; supported: {', '.join(sorted(FAMILIES))}")
+    family = FAMILIES[architecture]
     base = getattr(importlib.import_module(family.module), family.architecture)
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
         _compress_attention(self, family)
 
-    name = runtime_class_name(family.architecture)
+    name = runtime_class_name(architecture)
     return type(name, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": name,
-                                "__doc__": f"{family.architecture} with a compressed KV cache (kvfold export)."})
+                                "__doc__": f"{architecture} with a compressed KV cache (kvfold export)."})
 
 
-RUNTIME_CLASSES = {runtime_class_name(arch): _make_class(f) for arch, f in FAMILIES.items()}
-globals().update(RUNTIME_CLASSES)  # importable by name, e.g. kvfold_runtime.hf.models.KVFoldLlamaForCausalLM
+def _dispatcher(family: Family, config_class: type) -> type:
+    runtime_name = runtime_class_name(family.architecture)
 
-
-def _dispatcher(source: type, runtime: type) -> type:
     def pick(config) -> type:
-        return runtime if runtime.__name__ in (getattr(config, "architectures", None) or ()) else source
+        if runtime_name in (getattr(config, "architectures", None) or ()):
+            return runtime_class(family.architecture)
+        return getattr(importlib.import_module(family.module), family.architecture)
 
     class AutoDispatch:
-        config_class = source.config_class
-        kvfold_classes = (source, runtime)
+        config_class = None  # set below
+        kvfold_family = family
 
         @classmethod
         def _from_config(cls, config, **kwargs):
@@ -71,14 +80,19 @@ def _dispatcher(source: type, runtime: type) -> type:
         def from_pretrained(cls, path, *args, config=None, **kwargs):
             return pick(config).from_pretrained(path, *args, config=config, **kwargs)
 
-    AutoDispatch.__name__ = AutoDispatch.__qualname__ = f"{source.__name__}Or{runtime.__name__}"
+    AutoDispatch.config_class = config_class
+    AutoDispatch.__name__ = AutoDispatch.__qualname__ = f"{family.architecture}Or{runtime_name}"
     return AutoDispatch
+
+
+_registered: set[str] = set()
 
 
 def register() -> None:
     """Let AutoModelForCausalLM load exports of every supported architecture. Idempotent."""
-    mapping = AutoModelForCausalLM._model_mapping
-    for cls in RUNTIME_CLASSES.values():
-        source = cls.__mro__[1]
-        if getattr(mapping[source.config_class], "kvfold_classes", None) is None:
-            mapping.register(source.config_class, _dispatcher(source, cls), exist_ok=True)
+    for arch, family in FAMILIES.items():
+        if arch not in _registered:
+            config_class = getattr(transformers, family.config)
+            AutoModelForCausalLM._model_mapping.register(config_class, _dispatcher(family, config_class),
+                                                         exist_ok=True)
+            _registered.add(arch)

@@ -1,0 +1,106 @@
+"""Generation memory with a 4K-token context: the exported model (served by kvfold-runtime) against
+the original, each in a fresh process so each peak is its own.
+
+Linux resets a process's peak RSS when "5" is written to /proc/self/clear_refs; the benchmark loads the
+model, warms up, resets the peak, then generates, so `generate_peak` is the peak during generation
+alone. glibc is told to serve every allocation above 128 KiB by mmap (MALLOC_MMAP_THRESHOLD_), so a
+freed tensor leaves RSS at once and the peak counts only what was alive together.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvfold.checkpoint.manifest import Manifest
+from kvfold.errors import KVFoldError
+from kvfold.sources.models import load_model, resolve_model
+from kvfold.sources.text import resolve_text
+from kvfold.sources.tokenizer import load_tokenizer
+from kvfold.verify.runtime import require_runtime
+
+__all__ = ["bench_memory", "one_run"]
+
+_MIB = 1 << 20
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise KVFoldError(f"/proc/self/status has no {field}; this benchmark needs Linux")
+
+
+def _prompt(model_dir: Path, tokens: int) -> torch.Tensor:
+    """The first `tokens` tokens of wiki:eval, documents joined by blank lines: [1, tokens]."""
+    ids = load_tokenizer(model_dir)("\n\n".join(resolve_text("wiki:eval")), return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise KVFoldError(f"wiki:eval has only {ids.shape[1]} tokens; use --context {ids.shape[1]} or less")
+    return ids[:, :tokens]
+
+
+def one_run(model: str, exported: bool, context: int, new_tokens: int) -> dict:
+    """In this process: load, warm up, then measure one greedy generation."""
+    with torch.inference_mode():
+        if exported:
+            require_runtime()
+            from transformers import AutoModelForCausalLM
+
+            path = Path(model)
+            net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        else:
+            ref = resolve_model(model)
+            path, net = ref.path, load_model(ref)
+        ids = _prompt(path, context)
+        net.generate(ids[:, :16], max_new_tokens=2, do_sample=False)  # thread pools, lazy inits
+        gc.collect()
+        before = _status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
+        t0 = time.perf_counter()
+        out = net.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           return_dict_in_generate=True)
+        seconds = time.perf_counter() - t0
+        peak = _status("VmHWM")
+        cache = require_runtime().kv_cache_bytes(out.past_key_values)
+    return {"class": type(net).__name__, "context_tokens": context, "new_tokens": new_tokens,
+            "rss_before_generate_mib": round(before / _MIB, 1), "generate_peak_rss_mib": round(peak / _MIB, 1),
+            "generate_increase_mib": round((peak - before) / _MIB, 1),
+            "kv_cache_mib": round(cache / _MIB, 2), "kv_cache_bytes": cache, "generate_s": round(seconds, 1)}
+
+
+def _run(model: str, exported: bool, context: int, new_tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "kvfold.bench", "memory-point", model, "--context", str(context),
+           "--new-tokens", str(new_tokens)] + (["--exported"] if exported else [])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_ARENA_MAX": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise KVFoldError(f"memory run failed: {done.stderr.strip().splitlines()[-1] if done.stderr else ''}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_memory(export: Path, against: str | None, context: int, new_tokens: int) -> dict:
+    manifest = Manifest.load(export)
+    source = against or manifest.source.path
+    original = _run(source, False, context, new_tokens)
+    compressed = _run(str(export), True, context, new_tokens)
+    cache_saving = original["kv_cache_bytes"] - compressed["kv_cache_bytes"]
+    peak_saving = (original["generate_peak_rss_mib"] - compressed["generate_peak_rss_mib"]) * _MIB
+    increase_saving = (original["generate_increase_mib"] - compressed["generate_increase_mib"]) * _MIB
+    return {
+        "benchmark": "memory", "export": str(export), "original": str(source), "dtype": "float32",
+        "compression_p": round(manifest.chosen.compression, 4), "context_tokens": context,
+        "new_tokens": new_tokens, "runs": {"original": original, "exported": compressed},
+        "kv_cache_ratio": round(compressed["kv_cache_bytes"] / original["kv_cache_bytes"], 4),
+        "cache_saving_mib": round(cache_saving / _MIB, 2),
+        "peak_saving_mib": round(peak_saving / _MIB, 2),
+        "generate_increase_saving_mib": round(increase_saving / _MIB, 2),
+        "peak_saving_covers_cache_saving": peak_saving >= cache_saving,
+    }
