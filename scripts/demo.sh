@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the main job on the embedded default: calibrate SmolLM2-135M on Wikipedia text,
-# show its spectra, and export a checkpoint that keeps 99% of its next-token accuracy.
+# show its spectra, export a checkpoint that keeps 99% of its next-token accuracy, and verify it
+# (integrity, held-out accuracy against the original, KV bytes of the live cache, a generation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -9,3 +10,4 @@ mkdir -p "$OUT"
 .venv/bin/kvfold calibrate smollm2 --source text --text wiki:calib --tokens 16384 -o "$OUT/calib" --force
 .venv/bin/kvfold inspect "$OUT/calib"
 .venv/bin/kvfold export smollm2 --calib "$OUT/calib" --accuracy 0.99 -o "$OUT/SmolLM2-135M-kvfold" --force
+.venv/bin/kvfold verify "$OUT/SmolLM2-135M-kvfold"

@@ -100,3 +100,28 @@ def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     # the files compute what the search scored (same dev text, same tokens)
     assert abs(from_files.top1 / m.baseline_top1 - m.chosen.top1_ratio) < 1e-3
     assert score_model(load_model(ref), windows).top1 == pytest.approx(m.baseline_top1, abs=1e-9)
+
+
+def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, tmp_path):
+    """Issue 4, acceptance 1 on the real model: through kvfold-runtime, logits within 1e-5 and the
+    same greedy generation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import kvfold_runtime
+    from kvfold.sources.models import load_model, resolve_model
+
+    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=2048)
+    api.export("smollm2", tmp_path / "c", tmp_path / "o", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.float32).eval()
+    original = load_model(resolve_model("smollm2"))
+    ids = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want, got = original(input_ids=ids).logits, served(input_ids=ids).logits
+        assert float((got - want).norm() / want.norm()) < 1e-5
+        cache = served(input_ids=ids, use_cache=True).past_key_values
+        assert kvfold_runtime.kv_cache_bytes(cache) == kvfold_runtime.kv_cache_bytes(
+            original(input_ids=ids, use_cache=True).past_key_values)
+        prompt = ids[:1, :16]
+        assert torch.equal(served.generate(prompt, max_new_tokens=24, do_sample=False),
+                           original.generate(prompt, max_new_tokens=24, do_sample=False))

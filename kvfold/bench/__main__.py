@@ -51,15 +51,17 @@ def memory(
     against: Annotated[str | None, typer.Option(help="The original model [the manifest's source].")] = None,
     context: Annotated[int, typer.Option(help="Prompt tokens (wiki:eval).")] = 4096,
     new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    batch: Annotated[int, typer.Option(help="Sequences generated together.")] = 1,
 ) -> None:
     """Peak memory of greedy generation, exported vs original, each in a fresh process; JSON."""
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
-    print(json.dumps(bench_memory(export, against, context, new_tokens), indent=2))
+    print(json.dumps(bench_memory(export, against, context, new_tokens, batch), indent=2))
 
 
 @app.command("memory-point", hidden=True)
-def memory_point(model: str, context: int = 4096, new_tokens: int = 32, exported: bool = False) -> None:
-    print(json.dumps(one_run(model, exported, context, new_tokens)))
+def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: int = 1,
+                 exported: bool = False) -> None:
+    print(json.dumps(one_run(model, exported, context, new_tokens, batch)))
 
 
 @app.command("calibrate-point", hidden=True)
