@@ -88,6 +88,8 @@ def export(
     multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this [8].")] = None,
     min_rank: Annotated[int | None, typer.Option(help="Smallest rank of any head [8].")] = None,
     v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K [1.0].")] = None,
+    allocation: Annotated[str | None, typer.Option(help="sensitivity (per-layer rates from measured costs, "
+                                                   "default) or eq6 (one rate, the papers').")] = None,
     margin: Annotated[float | None, typer.Option(help="Need top-1 ratio − MARGIN standard errors ≥ "
                                                  "--accuracy [0].")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
@@ -98,7 +100,8 @@ def export(
     with user_errors():
         options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
-            metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin))
+            metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
+            allocation=allocation))
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force)
     out.print(export_summary(result))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -10,7 +10,7 @@ import transformers
 
 import kvfold
 from kvfold.calib.artifact import CalibStats
-from kvfold.calib.tokens import text_sequences
+from kvfold.calib.tokens import Sequences, text_sequences
 from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
@@ -19,6 +19,7 @@ from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
+from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.plan.targets import for_accuracy, for_compression
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
@@ -57,8 +58,13 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
         bases = [method.basis(stats, i, o_proj_heads(net, ref.adapter, i))
                  for i in range(stats.header.model.num_layers)]
 
+        windows = None if previous else text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512,
+                                                       seed=0)
+        weights = _layer_weights(previous, recipe, bases, net, ref, windows)
+
         def rule(r: float) -> RankRule:
-            return RankRule(r_k=r, r_v=recipe.v_scale * r, multiple=recipe.multiple, min_rank=recipe.min_rank)
+            return RankRule(r_k=r, r_v=recipe.v_scale * r, multiple=recipe.multiple, min_rank=recipe.min_rank,
+                            layer_k=weights.k if weights else (), layer_v=weights.v if weights else ())
 
         if previous is not None:
             curve = [CurvePoint(**p.model_dump()) for p in previous.curve]
@@ -66,7 +72,6 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             measured = dict(eval_text=previous.eval_text, eval_tokens=previous.eval_tokens,
                             baseline_top1=previous.baseline_top1, baseline_ppl=previous.baseline_ppl)
         else:
-            windows = text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512, seed=0)
             evaluator = Evaluator(net, ref.adapter, windows)
             if recipe.accuracy is not None:
                 best, curve = for_accuracy(bases, evaluator, recipe.accuracy, recipe.metric, rule, recipe.margin)
@@ -74,7 +79,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
-        ranks = plan_ranks(bases, RankRule(best.r_k, best.r_v, recipe.multiple, recipe.min_rank))
+        ranks = plan_ranks(bases, replace(rule(best.r_k), r_v=best.r_v))
         baked = bake(net, ref.adapter, factors_for(bases, ranks))
         h = stats.header
         manifest = Manifest(
@@ -86,6 +91,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                                     seed=h.options.seed, stats_sha256=h.stats_sha256),
             method=recipe.method, metric=recipe.metric, target=_target(recipe),
             rounding_multiple=recipe.multiple, min_rank=recipe.min_rank, head_dim=h.model.head_dim,
+            allocation=recipe.allocation, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
             chosen=Point(**vars(best)), curve=[Point(**vars(p)) for p in curve],
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
@@ -93,6 +99,25 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
         )
         manifest = write_checkpoint(baked, ref.path, manifest, tmp)
     return ExportResult(manifest=manifest, output=Path(output))
+
+
+def _layer_weights(previous: Manifest | None, recipe: Recipe, bases, net, ref, windows) -> LayerWeights | None:
+    """Per-layer rate multipliers: recorded in a previous export, measured now, or none (eq6)."""
+    if recipe.allocation == "eq6":
+        return None
+    if previous is not None:
+        return LayerWeights(tuple(previous.layer_scale_k), tuple(previous.layer_scale_v),
+                            tuple(previous.layer_cost_k), tuple(previous.layer_cost_v))
+    n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
+    probe = Evaluator(net, ref.adapter, Sequences(windows.ids[:n], windows.groups[:n]))
+    return measure_weights(bases, probe, recipe.min_rank)
+
+
+def _weight_fields(weights: LayerWeights | None) -> dict:
+    if weights is None:
+        return {}
+    return dict(layer_scale_k=list(weights.k), layer_scale_v=list(weights.v), layer_cost_k=list(weights.cost_k),
+                layer_cost_v=list(weights.cost_v))
 
 
 def _target(recipe: Recipe) -> str:
@@ -109,6 +134,7 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
         ("calibration", prev.calibration.stats_sha256, stats.header.stats_sha256),
         ("method", prev.method, recipe.method),
         ("rank rounding", (prev.rounding_multiple, prev.min_rank), (recipe.multiple, recipe.min_rank)),
+        ("rank allocation", prev.allocation, recipe.allocation),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

@@ -38,10 +38,12 @@ def export(
     heldout_tokens: Annotated[int, typer.Option(help="wiki:eval tokens for the held-out check.")] = 16384,
     margin: Annotated[float, typer.Option(help="Standard errors of margin in the search.")] = 0.0,
     multiple: Annotated[int, typer.Option(help="Round ranks up to a multiple of this.")] = 8,
+    allocation: Annotated[str, typer.Option(help="sensitivity or eq6 (for kvfold's aware method).")] = "sensitivity",
 ) -> None:
-    """Export with each method at the target; compression and held-out ratios side by side; JSON."""
+    """Export with each method at the target; compression and held-out ratios side by side; JSON.
+    zack is the papers' method as published: one removal rate for every head (eq6)."""
     report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens,
-                          margin, multiple)
+                          margin, multiple, allocation)
     print(json.dumps(report, indent=2))
 
 

@@ -24,7 +24,8 @@ __all__ = ["bench_export"]
 
 
 def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: int, eval_tokens: int,
-                 heldout_tokens: int, margin: float = 0.0, multiple: int = 8) -> dict:
+                 heldout_tokens: int, margin: float = 0.0, multiple: int = 8,
+                 allocation: str = "sensitivity") -> dict:
     ref = resolve_model(model)
     heldout = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:eval"),
                              heldout_tokens, 512, seed=0)
@@ -36,14 +37,15 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
         for method in methods:
             t0 = time.perf_counter()
             recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens, margin=margin,
-                            multiple=multiple, min_rank=min(8, multiple))
+                            multiple=multiple, min_rank=min(8, multiple),
+                            allocation=allocation if method == "aware" else "eq6")
             result = api.export(model, calib, Path(tmp) / method, recipe)
             seconds = time.perf_counter() - t0
             baked, adapter, m = load_baked(result.output)
             with padded_forward(baked, adapter, m.d_k, m.d_v):
                 held = score_model(baked, heldout)
             rows.append({
-                "method": method, "compression_p": round(m.chosen.compression, 4),
+                "method": method, "allocation": m.allocation, "compression_p": round(m.chosen.compression, 4),
                 "kv_bytes_fraction": round(1 - m.chosen.compression, 4),
                 "search_top1_ratio": round(m.chosen.top1_ratio, 4),
                 "search_top1_se": round(m.chosen.top1_se, 4),

@@ -11,7 +11,7 @@ from kvfold.errors import KVFoldError
 
 __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: allocation and per-layer rate multipliers (1.0 files still load)
 MANIFEST_FILE = "kvfold.json"
 
 
@@ -59,6 +59,11 @@ class Manifest(_Frozen):
     baseline_ppl: float
     rounding_multiple: int
     min_rank: int
+    allocation: str = "eq6"  # how r becomes per-layer rates: eq6 (one r) or sensitivity
+    layer_scale_k: list[float] = []  # per-layer multipliers of r_k / r_v (sensitivity allocation)
+    layer_scale_v: list[float] = []
+    layer_cost_k: list[float] = []  # the measured NLL increase per removed dim behind them
+    layer_cost_v: list[float] = []
     head_dim: int
     num_heads: int
     num_kv_heads: int

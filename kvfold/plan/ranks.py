@@ -1,4 +1,5 @@
-"""Per-head ranks from the papers' removal rate (ZACK Eq. 6), rounded for kernels."""
+"""Per-head ranks from the papers' removal rate (ZACK Eq. 6), optionally scaled per layer
+(sensitivity.py), rounded for kernels."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ class RankRule:
     r_v: float  # removal rate for the V spectrum
     multiple: int = 8  # round ranks up to this (16 for GPU kernels)
     min_rank: int = 8
+    layer_k: tuple[float, ...] = ()  # per-layer multipliers of r_k (sensitivity allocation); () = all 1
+    layer_v: tuple[float, ...] = ()
+
+    def rates(self, layer: int) -> tuple[float, float]:
+        wk = self.layer_k[layer] if self.layer_k else 1.0
+        wv = self.layer_v[layer] if self.layer_v else 1.0
+        return min(1.0, self.r_k * wk), min(1.0, self.r_v * wv)
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,11 @@ def _round(rank: int, rule: RankRule, d: int) -> int:
 
 def plan_ranks(bases: list[LayerBasis], rule: RankRule) -> RankPlan:
     d = bases[0].qk_spectrum.shape[-1]
-    d_k = [[_round(rank_for_removal(s, rule.r_k), rule, d) for s in b.qk_spectrum] for b in bases]
-    d_v = [[_round(rank_for_removal(s, rule.r_v), rule, d) for s in b.v_spectrum] for b in bases]
+    d_k, d_v = [], []
+    for i, b in enumerate(bases):
+        r_k, r_v = rule.rates(i)
+        d_k.append([_round(rank_for_removal(s, r_k), rule, d) for s in b.qk_spectrum])
+        d_v.append([_round(rank_for_removal(s, r_v), rule, d) for s in b.v_spectrum])
     return RankPlan(d_k=d_k, d_v=d_v, head_dim=d)
 
 

@@ -28,6 +28,10 @@ class Recipe(BaseModel):
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
     v_scale: float = Field(default=1.0, gt=0.0)  # r_v = v_scale · r_k along the searched family
+    # sensitivity: per-layer multipliers of r from measured costs (plan/sensitivity.py); eq6: one r for
+    # every head, as in the papers
+    allocation: Literal["sensitivity", "eq6"] = "sensitivity"
+    sensitivity_tokens: int = Field(default=4096, ge=1)  # first tokens of eval_text used to measure costs
     # Require top-1 ratio − margin × (its standard error) ≥ accuracy: a lower confidence bound instead of
     # the point estimate (1.0 ≈ 84% one-sided). 0 = the plain definition.
     margin: float = Field(default=0.0, ge=0.0)
