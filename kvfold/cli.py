@@ -91,7 +91,7 @@ def export(
     allocation: Annotated[str | None, typer.Option(help="sensitivity (per-layer rates from measured costs, "
                                                    "default) or eq6 (one rate, the papers').")] = None,
     margin: Annotated[float | None, typer.Option(help="Need top-1 ratio − MARGIN standard errors ≥ "
-                                                 "--accuracy [0].")] = None,
+                                                 "--accuracy [1 for top1].")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,

@@ -36,7 +36,7 @@ def export(
     calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens to calibrate on.")] = 16384,
     eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 16384,
     heldout_tokens: Annotated[int, typer.Option(help="wiki:eval tokens for the held-out check.")] = 16384,
-    margin: Annotated[float, typer.Option(help="Standard errors of margin in the search.")] = 0.0,
+    margin: Annotated[float, typer.Option(help="Standard errors of margin in the search.")] = 1.0,
     multiple: Annotated[int, typer.Option(help="Round ranks up to a multiple of this.")] = 8,
     allocation: Annotated[str, typer.Option(help="sensitivity or eq6 (for kvfold's aware method).")] = "sensitivity",
 ) -> None:
