@@ -125,3 +125,18 @@ def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, tmp_
         prompt = ids[:1, :16]
         assert torch.equal(served.generate(prompt, max_new_tokens=24, do_sample=False),
                            original.generate(prompt, max_new_tokens=24, do_sample=False))
+
+
+def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
+    """Issue 4, acceptance 2 — the demo's path: calibrate on wiki:calib, export at 0.99 (searched on
+    wiki:dev), then `kvfold verify --json` on wiki:eval, which neither step has read."""
+    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=16384)
+    m = api.export("smollm2", tmp_path / "c", tmp_path / "o", Recipe(accuracy=0.99)).manifest
+    done = subprocess.run([sys.executable, "-m", "kvfold", "verify", str(tmp_path / "o"), "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["eval_text"] == "wiki:eval"
+    assert report["metric_ratio"] >= 0.99
+    assert report["kv_bytes_ratio"] == pytest.approx(1 - m.chosen.compression, abs=1e-12)
+    assert m.chosen.compression >= 0.06

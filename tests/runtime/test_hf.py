@@ -94,3 +94,24 @@ def test_a_config_without_the_kvfold_block_is_refused(tiny_dirs):
     config = LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32)
     with pytest.raises(ValueError, match="not a kvfold export"):
         kvfold_runtime.runtime_class("LlamaForCausalLM")(config)
+
+
+def test_generate_with_the_usual_arguments(tiny_exports):
+    """Beam search (the cache is reordered), sampling, and a left-padded batch, at full rank against
+    the original and at uneven ranks for shape and determinism."""
+    export = tiny_exports["LlamaForCausalLM", "full"]
+    original, served = export.original, _serve(export)
+    ids = _ids(4, (2, 8))
+    pad = torch.ones_like(ids)
+    pad[1, :3] = 0
+    common = dict(attention_mask=pad, max_new_tokens=12, pad_token_id=256)
+    with torch.inference_mode():
+        assert torch.equal(served.generate(ids, num_beams=3, do_sample=False, **common),
+                           original.generate(ids, num_beams=3, do_sample=False, **common))
+        torch.manual_seed(0)
+        want = original.generate(ids, do_sample=True, top_k=20, temperature=0.8, **common)
+        torch.manual_seed(0)
+        assert torch.equal(served.generate(ids, do_sample=True, top_k=20, temperature=0.8, **common), want)
+        uneven = _serve(tiny_exports["LlamaForCausalLM", "uneven"])
+        out = uneven.generate(ids, num_beams=2, do_sample=False, **common)
+    assert out.shape == (2, 20)
