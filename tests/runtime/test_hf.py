@@ -115,3 +115,9 @@ def test_generate_with_the_usual_arguments(tiny_exports):
         uneven = _serve(tiny_exports["LlamaForCausalLM", "uneven"])
         out = uneven.generate(ids, num_beams=2, do_sample=False, **common)
     assert out.shape == (2, 20)
+
+
+def test_a_static_cache_is_refused_with_the_fix(tiny_exports):
+    served = _serve(tiny_exports["LlamaForCausalLM", "uneven"])
+    with pytest.raises(ValueError, match="remove cache_implementation"), torch.inference_mode():
+        served.generate(_ids(5, (1, 6)), max_new_tokens=3, cache_implementation="static")

@@ -15,6 +15,7 @@ import importlib
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
 from kvfold_runtime.dims import LayerDims
@@ -103,6 +104,10 @@ class KVFoldAttention(nn.Module):
             q = q * self.q_scale
         k, v = k[:, None], v[:, None]  # [B, 1, T, Σ_g d]: what the cache stores, one tensor per layer
         if past_key_values is not None:
+            if not isinstance(past_key_values.layers[self.layer_idx], DynamicLayer):
+                raise ValueError("kvfold exports store packed, per-head-width keys; use the default DynamicCache "
+                                 f"(got {type(past_key_values.layers[self.layer_idx]).__name__}: remove "
+                                 "cache_implementation)")
             k, v = past_key_values.update(k, v, self.layer_idx)
         out = sdpa_attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
                              scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
