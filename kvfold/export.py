@@ -60,6 +60,9 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
 
         windows = None if previous else text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512,
                                                        seed=0)
+        if windows is not None and recipe.accuracy is not None and recipe.margin and len(windows.ids) < 2:
+            raise KVFoldError(f"--margin needs a standard error, and {recipe.eval_text} gives one 512-token "
+                              "window; raise --eval-tokens to 1024 or more, or pass --margin 0")
         weights = _layer_weights(previous, recipe, bases, net, ref, windows)
 
         def rule(r: float) -> RankRule:

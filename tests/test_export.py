@@ -25,8 +25,21 @@ def setup(tiny_dirs, tmp_path_factory):
 
 
 def _export(setup, out, *extra):
+    """One 256-token evaluation window: fast, but no standard error, so no margin."""
     model, calib, text, _ = setup
-    return run("export", model, "--calib", calib, "--eval-text", text, "--eval-tokens", 256, "-o", out, *extra)
+    return run("export", model, "--calib", calib, "--eval-text", text, "--eval-tokens", 256, "--margin", 0,
+               "-o", out, *extra)
+
+
+def test_the_default_margin_needs_two_windows_and_is_recorded(setup, tmp_path):
+    model, calib, text, _ = setup
+    args = ("export", model, "--calib", calib, "--eval-text", text, "--accuracy", 0.5)
+    assert_user_error(run(*args, "--eval-tokens", 256, "-o", tmp_path / "a"), "raise --eval-tokens to 1024",
+                      tmp_path / "a")
+    result = run(*args, "--eval-tokens", 1024, "-o", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(tmp_path / "b")
+    assert m.target == "top1 - 1.0*se>=0.5" and m.chosen.top1_ratio - m.chosen.top1_se >= 0.5
 
 
 @pytest.mark.parametrize("method", ["aware", "zack"])

@@ -80,6 +80,8 @@ def search_rate(
 def best_point(curve: list[CurvePoint], metric: str, target: float, margin: float = 0.0,
                where: str = "") -> CurvePoint:
     """The most compressed point meeting the target (ties: the more accurate)."""
+    if margin and metric == "top1" and any(math.isnan(p.top1_se) for p in curve):
+        raise KVFoldError(f"no standard errors {where} (one evaluation window), so no margin; pass --margin 0")
     ok = [p for p in curve if p.ratio(metric, margin) >= target]
     if not ok:
         top = max(p.ratio(metric, margin) for p in curve)
