@@ -65,6 +65,7 @@ def test_uneven_export_computes_the_baked_model(tiny_exports, arch):
         steps = [served(input_ids=ids[:, i : i + 1], past_key_values=cache).logits for i in range(20, 24)]
         assert _rel(torch.cat([first, chunk, *steps], 1), want) < 1e-5
         got_padded = served(input_ids=ids, attention_mask=pad).logits
+        assert _rel(served(input_ids=ids, past_key_values=DynamicCache()).logits, want) < 1e-5  # no config
     assert _rel(got_padded[:, 5:], want_padded[:, 5:]) < 1e-5
 
 

@@ -104,10 +104,10 @@ class KVFoldAttention(nn.Module):
             q = q * self.q_scale
         k, v = k[:, None], v[:, None]  # [B, 1, T, Σ_g d]: what the cache stores, one tensor per layer
         if past_key_values is not None:
-            if not isinstance(past_key_values.layers[self.layer_idx], DynamicLayer):
+            layers = past_key_values.layers  # a DynamicCache() made without a config grows them in update()
+            if self.layer_idx < len(layers) and not isinstance(layers[self.layer_idx], DynamicLayer):
                 raise ValueError("kvfold exports store packed, per-head-width keys; use the default DynamicCache "
-                                 f"(got {type(past_key_values.layers[self.layer_idx]).__name__}: remove "
-                                 "cache_implementation)")
+                                 f"(got {type(layers[self.layer_idx]).__name__}: remove cache_implementation)")
             k, v = past_key_values.update(k, v, self.layer_idx)
         out = sdpa_attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
                              scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
