@@ -27,7 +27,7 @@ class VerifyReport:
     ppl_ratio: float | None = None
     recorded_ratio: float | None = None  # the point chosen at export, on its own evaluation text
     tolerance: float | None = None
-    kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # original / exported, from live caches
+    kv_bytes_per_token: dict[str, float] = field(default_factory=dict)  # original / exported, from live caches
     kv_bytes_ratio: float | None = None
     expected_kv_bytes_ratio: float | None = None  # 1 − p from the manifest
     generation: dict[str, object] = field(default_factory=dict)
