@@ -156,15 +156,21 @@ def test_ctrl_c_mid_run_leaves_nothing(command, tiny_dirs, tmp_path):
         text.write_text("\n\n".join("some words of text " * 40 for _ in range(4000)))  # ~3M byte tokens
         args = ["export", model, "--calib", str(calib), "--accuracy", "0.99", "--eval-text", str(text),
                 "--eval-tokens", "3000000", "-o", str(out)]
+    # A shell started in the background (`cmd &`, nohup) ignores SIGINT and children inherit that; a user at
+    # a terminal has the default disposition, so give the child that, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-m", "kvfold", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.tmp-*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
     time.sleep(2.0)  # well inside the run
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # never leave a 50M-token run behind when the test fails
     assert proc.returncode == 2, stderr
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert lines == ["error: interrupted; no output was written"], stderr
