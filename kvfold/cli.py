@@ -4,40 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.logging import RichHandler
 
 from kvfold import api
-from kvfold.errors import KVFoldError
+from kvfold.bench.cli import app as bench_app
+from kvfold.console import err, out, user_errors
 from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table, verify_table
 
 app = typer.Typer(
     help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True, soft_wrap=True, highlight=False)
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Bad input and Ctrl-C end in one red line and exit code 2 (api writes outputs atomically)."""
-    try:
-        yield
-    except KVFoldError as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        err.print("[red]error:[/red] interrupted; no output was written")
-        raise typer.Exit(2) from None
-
-
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
@@ -139,6 +120,9 @@ def prepare(model: Annotated[str, typer.Argument(help="'smollm2' or a local HF m
     with user_errors():
         path = api.prepare(model)
     out.print(str(path))
+
+
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

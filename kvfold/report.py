@@ -12,7 +12,7 @@ from rich.table import Table
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
 
-__all__ = ["calib_summary", "export_summary", "progress_bar", "spectrum_table", "verify_table"]
+__all__ = ["calib_summary", "export_summary", "frontier_table", "progress_bar", "spectrum_table", "verify_table"]
 
 _KIND_NAMES = {"q": "Q (post-RoPE)", "k": "K (post-RoPE)", "v": "V", "o": "attn out"}
 
@@ -76,4 +76,24 @@ def verify_table(report) -> Table:
         table.add_row("exported", "", f"{g['exported']}  [dim]({g['identical_tokens']}/{g['new_tokens']} tokens "
                                       "identical)[/dim]")
     table.caption = "all checks passed" if report.ok else f"FAILED: {', '.join(c.name for c in report.failed())}"
+    return table
+
+
+def frontier_table(report: dict) -> Table:
+    """Compression reached at the target per method and model (kvfold bench frontier)."""
+    target = report["target_top1_ratio"]
+    table = Table(title=f"KV bytes saved at top-1 ratio {target:g} ({report['eval_text']}, {report['date']})")
+    table.add_column("method")
+    for m in report["models"]:
+        table.add_column(f"{m['model']} ({m['num_kv_heads']} KV heads)", justify="right")
+    names = list(dict.fromkeys(r["name"] for m in report["models"] for r in m["methods"]))
+    for name in names:
+        cells = []
+        for m in report["models"]:
+            row = next((r for r in m["methods"] if r["name"] == name), None)
+            at = None if row is None else row["compression_at_target"]
+            cells.append("-" if row is None else "not reached" if at is None else
+                         f"{at:.1%}" + (" (or more)" if row["every_point_passes"] and row["origin"] is None
+                                       and len(row["points"]) > 1 else ""))
+        table.add_row(name, *cells)
     return table

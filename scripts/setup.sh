@@ -14,7 +14,7 @@ stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml scripts/s
 if [ ! -f "$stamp" ]; then
     # torch first and exactly: this version is the local CPU wheel; any other pulls a multi-GB CUDA build.
     "${PIP[@]}" torch==2.13.0
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,bench]"
     # The serving runtime is its own package (kvfold never imports its internals); tests and
     # `kvfold verify` load exports through it.
     "${PIP[@]}" -e runtime/

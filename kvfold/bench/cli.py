@@ -1,0 +1,104 @@
+"""`kvfold bench frontier|calibrate|export|memory ...` (also `python -m kvfold.bench ...`): each prints or
+writes JSON measured in that run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvfold.bench.calibrate import bench_calibrate, one_point
+from kvfold.bench.export import bench_export
+from kvfold.bench.frontier import bench_frontier
+from kvfold.bench.memory import bench_memory, one_run
+from kvfold.console import err, user_errors
+from kvfold.report import frontier_table
+from kvfold.sources.embedded import cache_root
+
+app = typer.Typer(help="Benchmarks: every figure measured in the run, as JSON.", add_completion=False,
+                  pretty_exceptions_enable=False, no_args_is_help=True)
+
+
+@app.command()
+def frontier(
+    model: Annotated[list[str] | None, typer.Option(help="Models to sweep, in order [smollm2, smollm2-mha].")] = None,
+    method: Annotated[list[str] | None, typer.Option(help="Methods [all on the first model; kvfold and the "
+                                                     "peers, no ablations, on the others].")] = None,
+    accuracy: Annotated[float, typer.Option(help="The top-1 ratio the compression is read off at.")] = 0.99,
+    eval_text: Annotated[str, typer.Option(help="Held-out text every point is scored on.")] = "wiki:eval",
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text (512-token windows).")] = 4096,
+    calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens per calibration.")] = 8192,
+    sensitivity_tokens: Annotated[int, typer.Option(help="wiki:dev tokens for kvfold's layer costs.")] = 1024,
+    multiple: Annotated[int, typer.Option(help="Round every rank up to a multiple of this.")] = 8,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
+    png: Annotated[Path | None, typer.Option(help="Draw top-1 ratio vs KV bytes here.")] = None,
+) -> None:
+    """Accuracy vs KV bytes per method (kvfold, ablations, ZACK/FDC, uniform, Palu, ThinK, fp8, kvfold+fp8)."""
+    with user_errors():
+        report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
+                                calib_tokens, sensitivity_tokens, multiple, json_out, png)
+    err.print(frontier_table(report))
+    if json_out is None:
+        print(json.dumps(report, indent=2))
+
+
+@app.command()
+def calibrate(
+    model: Annotated[str, typer.Option(help="Model folder or alias.")] = "smollm2",
+    tokens: Annotated[list[int] | None, typer.Option(help="Token counts, one fresh process each.")] = None,
+    source: Annotated[str, typer.Option(help="random or text.")] = "random",
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 512,
+    batch: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
+) -> None:
+    """Time calibration and measure its peak memory; print JSON."""
+    print(json.dumps(bench_calibrate(model, tokens or [4096, 16384], source, seq_len, batch), indent=2))
+
+
+@app.command()
+def export(
+    model: Annotated[str, typer.Option(help="Model folder or alias.")] = "smollm2",
+    accuracy: Annotated[float, typer.Option(help="Target top-1 ratio.")] = 0.99,
+    method: Annotated[list[str] | None, typer.Option(help="Factor methods to compare.")] = None,
+    calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens to calibrate on.")] = 16384,
+    eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 16384,
+    heldout_tokens: Annotated[int, typer.Option(help="wiki:eval tokens for the held-out check.")] = 16384,
+    margin: Annotated[float, typer.Option(help="Standard errors of margin in the search.")] = 1.0,
+    multiple: Annotated[int, typer.Option(help="Round ranks up to a multiple of this.")] = 8,
+    allocation: Annotated[str, typer.Option(help="sensitivity or eq6 (for kvfold's aware method).")] = "sensitivity",
+) -> None:
+    """Export with each method at the target; compression and held-out ratios side by side; JSON.
+    zack is the papers' method as published: one removal rate for every head (eq6)."""
+    report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens,
+                          margin, multiple, allocation)
+    print(json.dumps(report, indent=2))
+
+
+@app.command()
+def memory(
+    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    against: Annotated[str | None, typer.Option(help="The original model [the manifest's source].")] = None,
+    context: Annotated[int, typer.Option(help="Prompt tokens (wiki:eval).")] = 4096,
+    new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    batch: Annotated[int, typer.Option(help="Sequences generated together.")] = 1,
+) -> None:
+    """Peak memory of greedy generation, exported vs original, each in a fresh process; JSON."""
+    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    print(json.dumps(bench_memory(export, against, context, new_tokens, batch), indent=2))
+
+
+@app.command("memory-point", hidden=True)
+def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: int = 1,
+                 exported: bool = False) -> None:
+    print(json.dumps(one_run(model, exported, context, new_tokens, batch)))
+
+
+@app.command("calibrate-point", hidden=True)
+def calibrate_point(model: str, tokens: int = 16384, source: str = "random", seq_len: int = 512,
+                    batch: int = 8) -> None:
+    print(json.dumps(one_point(model, tokens, source, seq_len, batch)))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,44 @@
+"""The methods on the frontier, registered by name. Adding one = a file (or a variant line) + a line here
++ a row in tests/bench/test_frontier_methods.py."""
+
+from __future__ import annotations
+
+from kvfold.errors import KVFoldError
+
+from .base import Candidate, Method
+from .fp8 import Fp8
+from .kvfold import KVFold
+from .palu import Palu
+from .think import ThinK
+from .uniform import Uniform
+
+__all__ = ["DEFAULT", "METHODS", "PEERS", "Candidate", "Method", "get_methods"]
+
+_ALL: list[Method] = [
+    KVFold(),
+    # kvfold's ablations: each changes one choice of the default
+    KVFold(name="kvfold-shared-r", label="kvfold, one r for K and V (eq6)", allocation="eq6"),
+    KVFold(name="kvfold-split-r", label="kvfold, r_v = r_k/4 (eq6)", allocation="eq6", v_scale=0.25),
+    KVFold(name="kvfold-random", label="kvfold, random-token calibration", calib="random"),
+    KVFold(name="kvfold-zdc", label="kvfold, ZDC pruning + K-means calibration", calib="zdc"),
+    # the papers' method as published (ZACK/FDC): common [Q;K] / [V;W_O] rotations from random tokens,
+    # one removal rate for every head
+    KVFold(name="zack", label="ZACK/FDC (papers)", factors="zack", calib="random", allocation="eq6",
+           grid=(0.002, 0.005, 0.01, 0.02, 0.04)),
+    Uniform(),
+    Palu(),
+    ThinK(),
+    Fp8(),
+    KVFold(name="kvfold+fp8", label="kvfold + fp8", fp8=True, grid=(0.0025, 0.005, 0.01, 0.02, 0.04)),
+]
+METHODS: dict[str, Method] = {m.name: m for m in _ALL}
+DEFAULT = tuple(METHODS)
+# On further models (the MHA variant: GQA vs MHA) kvfold against each peer, without the ablations.
+PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8")
+
+
+def get_methods(names: list[str]) -> list[Method]:
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise KVFoldError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)}")
+    return [METHODS[n] for n in names]

@@ -1,0 +1,67 @@
+"""`kvfold bench frontier`: every method swept on each model, one JSON (and PNG) with every point."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvfold
+
+from .methods import DEFAULT, PEERS, get_methods
+from .setup import Setup
+from .sweep import sweep_model
+
+__all__ = ["run_frontier"]
+
+
+def _ordered(names: list[str]) -> list[str]:
+    """Each method after the one its sweep starts from (kvfold+fp8 after fp8), adding it if missing."""
+    out: list[str] = []
+    for m in get_methods(names):
+        if m.origin and m.origin not in out:
+            out.append(m.origin)
+        if m.name not in out:
+            out.append(m.name)
+    return out
+
+
+def run_frontier(models: list[str], methods: list[str] | None, target: float, eval_text: str, eval_tokens: int,
+                 calib_tokens: int, sensitivity_tokens: int, multiple: int) -> dict:
+    """Without `methods`: every method on the first model, the peers (no ablations) on the others."""
+    t0 = time.perf_counter()
+    results = []
+    for i, spec in enumerate(models):
+        names = _ordered(list(methods or (DEFAULT if i == 0 else PEERS)))
+        with tempfile.TemporaryDirectory(prefix="kvfold-frontier-") as tmp:
+            setup = Setup(spec, Path(tmp), eval_text=eval_text, eval_tokens=eval_tokens, calib_tokens=calib_tokens,
+                          sensitivity_tokens=sensitivity_tokens, multiple=multiple)
+            config = setup.model.config
+            rows = sweep_model(setup, get_methods(names), target)
+        results.append({
+            "model": spec, "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
+            "baseline_top1": round(setup.baseline.top1, 4), "baseline_ppl": round(setup.baseline.ppl, 3),
+            "eval_tokens": setup.baseline.tokens, "methods": rows, **_versus_papers(rows),
+        })
+        del setup
+    return {
+        "benchmark": "frontier", "date": datetime.date.today().isoformat(), "kvfold_version": kvfold.__version__,
+        "torch_version": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+        "target_top1_ratio": target, "eval_text": eval_text, "calib_text": "wiki:calib", "calib_tokens": calib_tokens,
+        "sensitivity_text": "wiki:dev", "sensitivity_tokens": sensitivity_tokens, "rank_multiple": multiple,
+        "bytes": "KV-cache bytes per token as a fraction of the original's at fp16",
+        "models": results, "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _versus_papers(rows: list[dict]) -> dict:
+    """kvfold's compression at the target divided by the papers' (ZACK/FDC) — the headline ratio."""
+    by = {r["name"]: r["compression_at_target"] for r in rows}
+    if by.get("kvfold") is None or not by.get("zack"):
+        return {}
+    return {"kvfold_over_papers": round(by["kvfold"] / by["zack"], 2)}

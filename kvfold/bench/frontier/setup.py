@@ -1,0 +1,107 @@
+"""One model's shared pieces for the frontier, each built once on first use: the loaded model, the
+held-out windows every point is scored on, calibrations, factor bases and sensitivity weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvfold import api
+from kvfold.calib.artifact import CalibStats
+from kvfold.calib.capture import AttentionPatch, patched
+from kvfold.calib.tokens import Sequences, text_sequences
+from kvfold.plan.evaluate import Evaluator, Metrics, score_model
+from kvfold.plan.sensitivity import LayerWeights, measure_weights
+from kvfold.rewrite.factors import LayerBasis, get_method
+from kvfold.rewrite.weights import o_proj_heads
+from kvfold.sources.models import ModelRef, load_model, resolve_model
+from kvfold.sources.text import resolve_text
+from kvfold.sources.tokenizer import load_tokenizer
+
+from .patches import ProjMap, mapped_projections
+
+__all__ = ["CALIBRATIONS", "Setup"]
+
+# name -> api.calibrate options. zdc: ZDC's sample reduction on the same text, half the windows of each
+# document group dropped and every head's vectors replaced by 64 count-weighted K-means centroids.
+CALIBRATIONS = {
+    "text": dict(source="text", text="wiki:calib"),
+    "random": dict(source="random"),
+    "zdc": dict(source="text", text="wiki:calib", prune_fraction=0.5, kmeans=64),
+}
+
+
+@dataclass
+class Setup:
+    spec: str
+    workdir: Path  # calibrations are written here
+    eval_text: str = "wiki:eval"
+    eval_tokens: int = 4096
+    calib_tokens: int = 8192
+    sensitivity_tokens: int = 1024  # wiki:dev: costs are never measured on the text that is scored
+    multiple: int = 8
+    ref: ModelRef = field(init=False)
+    model: nn.Module = field(init=False)
+    windows: Sequences = field(init=False)
+    baseline: Metrics = field(init=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.ref = resolve_model(self.spec)
+        self.model = load_model(self.ref)
+        self.tokenizer = load_tokenizer(self.ref.path)
+        self.windows = text_sequences(self.tokenizer, resolve_text(self.eval_text), self.eval_tokens, 512, seed=0)
+        self.baseline = self.score({})
+
+    @property
+    def adapter(self):
+        return self.ref.adapter
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def score(self, patches: dict[int, AttentionPatch], proj_maps: dict[tuple[int, str], ProjMap] | None = None
+              ) -> Metrics:
+        """Top-1 and NLL on the held-out windows with `patches` around attention and `proj_maps` on k/v_proj."""
+        with patched(self.model, self.adapter, patches), \
+                mapped_projections(self.model, self.adapter, proj_maps or {}):
+            return score_model(self.model, self.windows)
+
+    def once(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def stats(self, calib: str) -> CalibStats:
+        def build():
+            out = self.workdir / f"calib-{calib}"
+            api.calibrate(self.spec, out, tokens=self.calib_tokens, force=True, **CALIBRATIONS[calib])
+            return CalibStats.load(out)
+
+        return self.once(("stats", calib), build)
+
+    def calib_sequences(self) -> Sequences:
+        """The windows the text calibration read (same tokenizer, text, count and seed)."""
+        return self.once("calib_seqs", lambda: text_sequences(
+            self.tokenizer, resolve_text("wiki:calib"), self.calib_tokens, 512, seed=0))
+
+    def bases(self, factor: str, calib: str) -> list[LayerBasis]:
+        def build():
+            stats, method = self.stats(calib), get_method(factor)
+            return [method.basis(stats, i, o_proj_heads(self.model, self.adapter, i))
+                    for i in range(stats.header.model.num_layers)]
+
+        return self.once(("bases", factor, calib), build)
+
+    def layer_weights(self) -> LayerWeights:
+        """Sensitivity weights of kvfold's own bases (aware, text), measured on wiki:dev."""
+        def build():
+            probe = text_sequences(self.tokenizer, resolve_text("wiki:dev"), self.sensitivity_tokens, 512, seed=0)
+            return measure_weights(self.bases("aware", "text"), Evaluator(self.model, self.adapter, probe),
+                                   min_rank=min(8, self.multiple))
+
+        return self.once("weights", build)

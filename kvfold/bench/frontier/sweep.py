@@ -1,0 +1,79 @@
+"""Sweep every method on one model and read off the compression each reaches at the target."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from .methods import Method
+from .setup import Setup
+
+__all__ = ["Point", "at_target", "sweep_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Point:
+    knob: float
+    kv_fraction: float  # KV bytes per token / the original's at fp16
+    top1_ratio: float
+    top1_se: float  # standard error of top1_ratio, paired over the 512-token windows
+    ppl_ratio: float  # original ppl / this ppl (higher is better, like top1_ratio)
+
+
+def at_target(points: list[Point], target: float, origin: Point | None) -> float | None:
+    """The smallest KV fraction the method keeps `target` at: walk the sweep from its mildest point
+    (the origin: the original, or e.g. fp8 alone for kvfold+fp8) and interpolate linearly to the first
+    point under the target. None when the origin itself is under it. A one-point method (fp8) has
+    nothing in between: its point if it passes, else no compression."""
+    prev = origin or Point(0.0, 1.0, 1.0, 0.0, 1.0)
+    if prev.top1_ratio < target:
+        return None
+    if len(points) == 1 and origin is None:
+        return points[0].kv_fraction if points[0].top1_ratio >= target else 1.0
+    for p in sorted(points, key=lambda p: -p.kv_fraction):
+        if p.top1_ratio < target:
+            t = (prev.top1_ratio - target) / (prev.top1_ratio - p.top1_ratio)
+            return prev.kv_fraction + t * (p.kv_fraction - prev.kv_fraction)
+        prev = p
+    return prev.kv_fraction  # never fell under: at least this much (the JSON says so)
+
+
+def _run(method: Method, setup: Setup) -> list[Point]:
+    points = []
+    for cand in method.candidates(setup):
+        t0 = time.perf_counter()
+        m = setup.score(cand.patches, cand.proj_maps)
+        b = setup.baseline
+        points.append(Point(cand.knob, cand.kv_fraction, m.ratio(b, "top1"), m.top1_ratio_se(b), m.ratio(b, "ppl")))
+        log.info("%s %s: %s=%g  KV %.4f of fp16  top-1 ratio %.4f ± %.4f  (%.0f s)", setup.spec, method.name,
+                 method.knob, cand.knob, cand.kv_fraction, points[-1].top1_ratio, points[-1].top1_se,
+                 time.perf_counter() - t0)
+    return points
+
+
+def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict]:
+    done: dict[str, list[Point]] = {}
+    rows = []
+    for method in methods:
+        t0 = time.perf_counter()
+        points = done[method.name] = _run(method, setup)
+        origin = None
+        if method.origin is not None:
+            if method.origin not in done:
+                raise AssertionError(f"{method.name} needs {method.origin} first")  # order fixed by the runner
+            origin = done[method.origin][0]
+        kv = at_target(points, target, origin)
+        passing = [p for p in points if p.top1_ratio >= target]
+        rows.append({
+            "name": method.name, "label": method.label, "knob": method.knob, "origin": method.origin,
+            "kv_fraction_at_target": None if kv is None else round(kv, 4),
+            "compression_at_target": None if kv is None else round(1 - kv, 4),
+            "every_point_passes": len(passing) == len(points),
+            "best_measured_passing": None if not passing else asdict(min(passing, key=lambda p: p.kv_fraction)),
+            "points": [asdict(p) for p in points],
+            "seconds": round(time.perf_counter() - t0, 1),
+        })
+    return rows

@@ -1,0 +1,56 @@
+"""The frontier command end to end on a tiny model, and how the compression at the target is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfold.bench.frontier.sweep import Point, at_target
+from kvfold.cli import app
+
+
+def _p(kv: float, ratio: float) -> Point:
+    return Point(knob=0.0, kv_fraction=kv, top1_ratio=ratio, top1_se=0.0, ppl_ratio=ratio)
+
+
+def test_compression_at_target_interpolates_to_the_first_crossing():
+    pts = [_p(0.8, 0.98), _p(0.9, 0.995), _p(0.95, 1.0), _p(0.7, 0.995)]  # the last recovers: ignored
+    assert at_target(pts, 0.99, None) == pytest.approx(0.9 + (0.995 - 0.99) / (0.995 - 0.98) * (0.8 - 0.9))
+    assert at_target([_p(0.9, 0.95)], 0.99, None) == 1.0  # one point under the target: no compression
+    assert at_target([_p(0.9, 0.95), _p(0.95, 0.97)], 0.99, None) == pytest.approx(1 - 0.05 * 0.01 / 0.03)
+    assert at_target([_p(0.6, 0.999), _p(0.5, 0.995)], 0.99, None) == 0.5  # never falls under: its last point
+    fp8 = _p(0.5, 0.996)
+    assert at_target([_p(0.45, 0.986)], 0.99, fp8) == pytest.approx(0.5 - 0.05 * 0.6)  # starts from fp8
+    assert at_target([_p(0.45, 0.999)], 0.99, _p(0.5, 0.98)) is None  # its origin already misses
+
+
+def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
+    model = str(tiny_dirs["LlamaForCausalLM"])
+    out, png = tmp_path / "f.json", tmp_path / "f.png"
+    res = CliRunner().invoke(app, [
+        "bench", "frontier", "--model", model, "--method", "kvfold+fp8", "--method", "think",
+        "--eval-tokens", "1024", "--calib-tokens", "1024", "--sensitivity-tokens", "512", "--multiple", "1",
+        "--json", str(out), "--png", str(png)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    (m,) = report["models"]
+    assert m["model"] == model and m["num_kv_heads"] == 2 and m["eval_tokens"] == 1022
+    assert [r["name"] for r in m["methods"]] == ["fp8", "kvfold+fp8", "think"]  # fp8 added: the origin
+    for row in m["methods"]:
+        assert row["points"] and all(0 < p["kv_fraction"] <= 1 for p in row["points"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "f.png"]  # no temp files left
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "nope"], "unknown method nope"),
+    (["--json", "/nonexistent/x.json"], "does not exist"),
+    (["--eval-tokens", "512"], "at least 1024"),
+])
+def test_frontier_bad_input_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, message):
+    res = CliRunner().invoke(app, ["bench", "frontier", "--model", str(tiny_dirs["LlamaForCausalLM"]),
+                                   "--png", str(tmp_path / "f.png"), *args])
+    assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+    assert list(tmp_path.iterdir()) == []

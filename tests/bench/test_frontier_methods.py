@@ -1,0 +1,175 @@
+"""Each frontier method against its definition, on a tiny random Llama (GQA: 4 query / 2 KV heads)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvfold.bench.frontier.methods import METHODS
+from kvfold.bench.frontier.methods.palu import prerope_grams
+from kvfold.bench.frontier.methods.think import channel_masks
+from kvfold.bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask, mapped_projections
+from kvfold.bench.frontier.setup import Setup
+from kvfold.calib.capture import patched
+from kvfold.plan.evaluate import _patch
+from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
+from kvfold.rewrite.factors import get_method
+from kvfold.rewrite.weights import o_proj_heads
+
+ARCH = "LlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs, tmp_path_factory) -> Setup:
+    return Setup(str(tiny_dirs[ARCH]), tmp_path_factory.mktemp("frontier"), eval_tokens=1024, calib_tokens=1024,
+                 sensitivity_tokens=512, multiple=1)
+
+
+def _logits(setup: Setup, patches=None, proj_maps=None, model=None) -> torch.Tensor:
+    model = model or setup.model
+    ids = torch.stack(setup.windows.ids[:2])
+    with torch.inference_mode(), patched(model, setup.adapter, patches or {}), \
+            mapped_projections(model, setup.adapter, proj_maps or {}):
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    return float((a - b).abs().max() / b.abs().max()) < tol
+
+
+def test_palu_reconstructs_low_rank_keys_and_values_before_rope(setup):
+    cands = list(METHODS["palu"].candidates(setup))
+    assert [c.kv_fraction for c in cands] == sorted((c.kv_fraction for c in cands), reverse=True)
+    cand = cands[-1]
+    assert cand.kv_fraction < 1 and cand.proj_maps and not cand.patches
+    # Definition: k_proj(x) ↦ k_proj(x) U_r U_rᵀ before RoPE = a model whose k_proj/v_proj weights are
+    # P W (P = U_r U_rᵀ symmetric). Build that model independently and compare logits.
+    grams = prerope_grams(setup.model, setup.adapter, setup.calib_sequences())
+    folded = copy.deepcopy(setup.model)
+    attns = setup.adapter.attention_modules(folded)
+    kept = 0
+    for (layer, kind), g in grams.items():
+        n = g.shape[0]
+        if (layer, kind) not in cand.proj_maps:
+            kept += n
+            continue
+        p = cand.proj_maps[(layer, kind)](torch.eye(n))  # the map applied to the identity = P
+        assert torch.allclose(p, p.T, atol=1e-6)
+        rank = round(float(torch.trace(p)))
+        assert torch.allclose(p @ p, p, atol=1e-5) and torch.linalg.matrix_rank(p) == rank < n
+        kept += rank
+        proj = getattr(attns[layer], setup.adapter.k_proj if kind == "k" else setup.adapter.v_proj)
+        with torch.no_grad():
+            proj.weight.copy_(p @ proj.weight)
+    assert math.isclose(cand.kv_fraction, kept / sum(g.shape[0] for g in grams.values()))
+    assert _close(_logits(setup, proj_maps=cand.proj_maps), _logits(setup, model=folded))
+    assert not _close(_logits(setup, proj_maps=cand.proj_maps), _logits(setup), 1e-3)
+
+
+def test_palu_at_full_rank_is_exact(setup):
+    grams = prerope_grams(setup.model, setup.adapter, setup.calib_sequences())
+    from kvfold.bench.frontier.methods.palu import _projector
+    from kvfold.calib.spectrum import svd_from_gram
+
+    maps = {key: _projector(svd_from_gram(g)[1], g.shape[0], torch.float32) for key, g in grams.items()}
+    assert _close(_logits(setup, proj_maps=maps), _logits(setup))
+
+
+def test_fp8_roundtrip_is_within_e4m3_precision():
+    torch.manual_seed(0)
+    x = torch.randn(4, 2, 64, 16) * torch.logspace(-3, 1, 16)  # five decades of magnitude
+    y = fp8_roundtrip(x)
+    scale = x.abs().max() / 448
+    # e4m3: 3 mantissa bits -> round-to-nearest error ≤ 2^-4 relative for normals; subnormals (below
+    # 2^-6 · scale) have a fixed step of 2^-9 · scale, so their error is ≤ 2^-10 · scale.
+    assert torch.all((y - x).abs() <= 2**-4 * x.abs() + 2**-10 * scale + 1e-12)
+    assert float(y.abs().max()) == pytest.approx(float(x.abs().max()), rel=1e-6)  # amax maps to 448 exactly
+    exact = torch.tensor([0.0, 1.0, -1.5, 2.25, 448.0, -448.0, 0.125, 2**-9])
+    assert torch.equal(fp8_roundtrip(exact), exact)  # values on the e4m3 grid (scale 1) are kept
+
+
+def test_fp8_method_halves_the_bytes_and_perturbs_little(setup):
+    (cand,) = METHODS["fp8"].candidates(setup)
+    assert cand.kv_fraction == 0.5 and len(cand.patches) == len(setup.adapter.attention_modules(setup.model))
+    q8, ref = _logits(setup, cand.patches), _logits(setup)
+    assert not torch.equal(q8, ref) and _close(q8, ref, 0.1)
+
+
+def test_think_prunes_the_lowest_query_key_channels(setup):
+    d = 4
+    q = torch.diag_embed(torch.tensor([[1.0, 1, 1, 1], [4, 1, 1, 1], [1, 1, 9, 1], [1, 1, 1, 1.0]]))  # 4 q heads
+    k = torch.diag_embed(torch.tensor([[1.0, 2, 3, 4], [4, 3, 2, 1.0]]))  # 2 KV heads, group of 2
+    # scores: head 0: mean q² over its 2 query heads (2.5,1,1,1) × k → (2.5, 2, 3, 4); head 1: (1,1,5,1)·(4,3,2,1)
+    mask = channel_masks(q, k, 0.5)
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 0, 1, 0]]
+    assert channel_masks(q, k, 0.0).tolist() == [[1] * d] * 2
+    qq, kk, vv = torch.randn(1, 4, 3, d), torch.randn(1, 2, 3, d), torch.randn(1, 2, 3, d)
+    q2, k2, v2 = key_channel_mask(mask).before(qq, kk, vv)
+    assert torch.equal(q2, qq) and torch.equal(v2, vv)
+    assert torch.equal(k2, kk * mask[None, :, None, :])
+    cands = list(METHODS["think"].candidates(setup))
+    for c, ratio in zip(cands, METHODS["think"].grid, strict=True):
+        head_dim = setup.model.config.head_dim
+        assert c.kv_fraction == pytest.approx(1 - int(head_dim * ratio) / head_dim / 2)  # values are kept
+
+
+def test_uniform_gives_every_head_the_same_rank_and_is_exact_at_full_rank(setup):
+    d = setup.model.config.head_dim
+    for cand in METHODS["uniform"].candidates(setup):
+        assert cand.kv_fraction == pytest.approx(cand.knob / d)
+    bases = setup.bases("aware", "text")
+    full = plan_ranks(bases, RankRule(0.0, 0.0, multiple=1, min_rank=1))
+    exact = {i: compressed(f, torch.float32) for i, f in enumerate(factors_for(bases, full))}
+    assert _close(_logits(setup, exact), _logits(setup))
+
+
+def test_compressed_attention_equals_the_evaluators_projection(setup):
+    """kvfold's frontier patch computes q' k'ᵀ and p v' B_hᵀ on the short tensors themselves; the export
+    search's patch projects q and o instead. Same algebra, so the same logits at reduced ranks."""
+    bases = setup.bases("aware", "text")
+    factors = factors_for(bases, plan_ranks(bases, RankRule(0.1, 0.05, multiple=1, min_rank=1)))
+    ours = _logits(setup, {i: compressed(f, torch.float32) for i, f in enumerate(factors)})
+    theirs = _logits(setup, {i: _patch(f, torch.float32) for i, f in enumerate(factors)})
+    assert _close(ours, theirs, 1e-4) and not _close(ours, _logits(setup), 1e-3)
+    seen = []
+    spy = {i: compressed(f, torch.float32, lambda x: seen.append(x.shape) or x) for i, f in enumerate(factors)}
+    assert _close(_logits(setup, spy), ours)  # an identity quantizer changes nothing...
+    assert len(seen) == 2 * len(factors)  # ...and sees each layer's cached k' and v'
+
+
+def test_kvfold_fp8_is_kvfold_with_its_cache_in_fp8(setup):
+    plain, q8 = METHODS["kvfold"], METHODS["kvfold+fp8"]
+    assert q8.origin == "fp8"
+    assert (q8.factors, q8.calib, q8.allocation) == (plain.factors, plain.calib, plain.allocation)
+    (a,) = replace(plain, grid=(0.02,)).candidates(setup)
+    (b,) = replace(q8, grid=(0.02,)).candidates(setup)
+    assert b.kv_fraction == pytest.approx(a.kv_fraction / 2)
+    la, lb = _logits(setup, a.patches), _logits(setup, b.patches)
+    assert not torch.equal(la, lb) and _close(la, lb, 0.1)
+
+
+def test_zack_is_the_papers_method_as_published(setup):
+    """Common rotations from random-token calibration, one removal rate for K, V and every head."""
+    zack = METHODS["zack"]
+    assert (zack.factors, zack.calib, zack.allocation, zack.v_scale) == ("zack", "random", "eq6", 1.0)
+    assert setup.stats("random").header.options.source == "random"
+    bases = [get_method("zack").basis(setup.stats("random"), i, o_proj_heads(setup.model, setup.adapter, i))
+             for i in range(setup.model.config.num_hidden_layers)]
+    for cand, r in zip(zack.candidates(setup), zack.grid, strict=True):
+        assert cand.kv_fraction == pytest.approx(1 - plan_ranks(bases, RankRule(r, r, 1, 1)).compression)
+
+
+def test_ablations_change_one_choice_each():
+    base = METHODS["kvfold"]
+    changed = {
+        "kvfold-shared-r": {"allocation"}, "kvfold-split-r": {"allocation", "v_scale"},
+        "kvfold-random": {"calib"}, "kvfold-zdc": {"calib"},
+    }
+    fields = ("factors", "calib", "allocation", "v_scale", "fp8")
+    for name, diff in changed.items():
+        m = METHODS[name]
+        assert {f for f in fields if getattr(m, f) != getattr(base, f)} == diff, name
