@@ -140,3 +140,16 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     assert report["metric_ratio"] >= 0.99
     assert report["kv_bytes_ratio"] == pytest.approx(1 - m.chosen.compression, abs=1e-12)
     assert m.chosen.compression >= 0.06
+
+
+def test_smollm2_mha_variant_has_the_same_logits(smollm2):
+    """../shared/DATA.md: num_key_value_heads=9 with each k/v head repeated 3× gives identical logits."""
+    from transformers import AutoModelForCausalLM
+
+    mha_dir = api.prepare("smollm2-mha")
+    gqa = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    mha = AutoModelForCausalLM.from_pretrained(mha_dir, dtype=torch.float32).eval()
+    assert (gqa.config.num_key_value_heads, mha.config.num_key_value_heads) == (3, 9)
+    ids = torch.randint(0, gqa.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.allclose(gqa(input_ids=ids).logits, mha(input_ids=ids).logits, atol=1e-4, rtol=1e-4)

@@ -28,10 +28,11 @@ def frontier(
                                                      "peers, no ablations, on the others].")] = None,
     accuracy: Annotated[float, typer.Option(help="The top-1 ratio the compression is read off at.")] = 0.99,
     eval_text: Annotated[str, typer.Option(help="Held-out text every point is scored on.")] = "wiki:eval",
-    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text (512-token windows).")] = 4096,
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text (512-token windows).")] = 6144,
     calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens per calibration.")] = 8192,
-    sensitivity_tokens: Annotated[int, typer.Option(help="wiki:dev tokens for kvfold's layer costs.")] = 1024,
-    multiple: Annotated[int, typer.Option(help="Round every rank up to a multiple of this.")] = 8,
+    sensitivity_tokens: Annotated[int, typer.Option(help="wiki:dev tokens for kvfold's layer costs.")] = 512,
+    multiple: Annotated[int, typer.Option(help="Round every rank up to a multiple of this (1: any width, as "
+                                          "the HF runtime's packed cache takes; 8/16 for GPU kernels).")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
     png: Annotated[Path | None, typer.Option(help="Draw top-1 ratio vs KV bytes here.")] = None,
 ) -> None:

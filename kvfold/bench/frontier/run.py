@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import kvfold
+from kvfold.sources.embedded import MHA_OF
 
 from .methods import DEFAULT, PEERS, get_methods
 from .setup import Setup
@@ -47,6 +48,7 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
             "model": spec, "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
             "baseline_top1": round(setup.baseline.top1, 4), "baseline_ppl": round(setup.baseline.ppl, 3),
             "eval_tokens": setup.baseline.tokens, "methods": rows, **_versus_papers(rows),
+            "notes": _notes(spec, rows),
         })
         del setup
     return {
@@ -57,6 +59,18 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
         "bytes": "KV-cache bytes per token as a fraction of the original's at fp16",
         "models": results, "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def _notes(spec: str, rows: list[dict]) -> list[str]:
+    """What a reader of this model's numbers must know."""
+    notes = []
+    if spec in MHA_OF:
+        notes.append(f"{spec}: each KV head of {MHA_OF[spec]} repeated for its 3 query heads (same logits); "
+                     "bytes are relative to this model's own 3x larger cache")
+        if any(r["name"] == "palu" for r in rows):
+            notes.append("palu decomposes all KV heads of a layer jointly, so it removes the exact copies "
+                         "for free (1/3 of the bytes at any rank); a real MHA model has no copies")
+    return notes
 
 
 def _versus_papers(rows: list[dict]) -> dict:

@@ -39,10 +39,10 @@ class Setup:
     spec: str
     workdir: Path  # calibrations are written here
     eval_text: str = "wiki:eval"
-    eval_tokens: int = 4096
+    eval_tokens: int = 6144
     calib_tokens: int = 8192
-    sensitivity_tokens: int = 1024  # wiki:dev: costs are never measured on the text that is scored
-    multiple: int = 8
+    sensitivity_tokens: int = 512  # wiki:dev: costs are never measured on the text that is scored
+    multiple: int = 1
     ref: ModelRef = field(init=False)
     model: nn.Module = field(init=False)
     windows: Sequences = field(init=False)

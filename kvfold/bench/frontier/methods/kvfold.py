@@ -27,7 +27,7 @@ class KVFold:
     allocation: str = "sensitivity"  # or "eq6": one removal rate for every head
     v_scale: float = 1.0  # r_v = v_scale · r_k
     fp8: bool = False
-    grid: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.08)
+    grid: tuple[float, ...] = (0.005, 0.01, 0.015, 0.02, 0.03)
     knob: str = "removal rate r"
     factors: str = "aware"
 

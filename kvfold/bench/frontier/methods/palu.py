@@ -61,7 +61,7 @@ class Palu:
     label: str = "Palu (pre-RoPE low rank)"
     knob: str = "removal rate r (per-layer joint spectrum)"
     origin: str | None = None
-    grid: tuple[float, ...] = (0.02, 0.05, 0.1, 0.15, 0.2)
+    grid: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03)
 
     def candidates(self, setup) -> Iterator[Candidate]:
         grams = setup.once("palu_grams", lambda: prerope_grams(setup.model, setup.adapter, setup.calib_sequences()))

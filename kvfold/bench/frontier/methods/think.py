@@ -38,7 +38,7 @@ class ThinK:
     label: str = "ThinK (key channels)"
     knob: str = "key channel pruning ratio"
     origin: str | None = None
-    grid: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5)
+    grid: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3)
 
     def candidates(self, setup) -> Iterator[Candidate]:
         stats = setup.stats("text")

@@ -20,7 +20,7 @@ class Uniform:
     label: str = "uniform rank (/AC)"
     knob: str = "rank kept per head"
     origin: str | None = None
-    grid: tuple[int, ...] = (60, 56, 52, 48, 40)  # of head_dim 64; other head sizes scale
+    grid: tuple[int, ...] = (62, 60, 58, 56)  # of head_dim 64; other head sizes scale
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
