@@ -36,7 +36,8 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     (m,) = report["models"]
-    assert m["model"] == model and m["num_kv_heads"] == 2 and m["eval_tokens"] == 1022
+    # 256-token windows (the tiny model's whole context): 4 windows, 1,020 scored tokens
+    assert m["model"] == model and m["num_kv_heads"] == 2 and m["eval_tokens"] == 1024 - 4
     assert [r["name"] for r in m["methods"]] == ["fp8", "kvfold+fp8", "think"]  # fp8 added: the origin
     for row in m["methods"]:
         assert row["points"] and all(0 < p["kv_fraction"] <= 1 for p in row["points"])
@@ -53,4 +54,11 @@ def test_frontier_bad_input_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, 
     res = CliRunner().invoke(app, ["bench", "frontier", "--model", str(tiny_dirs["LlamaForCausalLM"]),
                                    "--png", str(tmp_path / "f.png"), *args])
     assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_method_that_cannot_run_fails_before_any_work(tiny_dirs, tmp_path):
+    res = CliRunner().invoke(app, ["bench", "frontier", "--model", str(tiny_dirs["GPT2LMHeadModel"]),
+                                   "--method", "fp8", "--method", "palu", "--json", str(tmp_path / "f.json")])
+    assert res.exit_code == 2 and "palu needs RoPE" in res.output and "Traceback" not in res.output
     assert list(tmp_path.iterdir()) == []

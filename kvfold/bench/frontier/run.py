@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import kvfold
+from kvfold.adapters import HeadLayout
 from kvfold.sources.embedded import MHA_OF
 
 from .methods import DEFAULT, PEERS, get_methods
@@ -42,10 +43,10 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
         with tempfile.TemporaryDirectory(prefix="kvfold-frontier-") as tmp:
             setup = Setup(spec, Path(tmp), eval_text=eval_text, eval_tokens=eval_tokens, calib_tokens=calib_tokens,
                           sensitivity_tokens=sensitivity_tokens, multiple=multiple)
-            config = setup.model.config
+            layout = HeadLayout.from_config(setup.model.config)
             rows = sweep_model(setup, get_methods(names), target)
         results.append({
-            "model": spec, "num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
+            "model": spec, "num_heads": layout.num_heads, "num_kv_heads": layout.num_kv_heads,
             "baseline_top1": round(setup.baseline.top1, 4), "baseline_ppl": round(setup.baseline.ppl, 3),
             "eval_tokens": setup.baseline.tokens, "methods": rows, **_versus_papers(rows),
             "notes": _notes(spec, rows),

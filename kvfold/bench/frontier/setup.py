@@ -53,7 +53,10 @@ class Setup:
         self.ref = resolve_model(self.spec)
         self.model = load_model(self.ref)
         self.tokenizer = load_tokenizer(self.ref.path)
-        self.windows = text_sequences(self.tokenizer, resolve_text(self.eval_text), self.eval_tokens, 512, seed=0)
+        # 512-token windows, or the model's whole context if shorter
+        self.seq_len = min(512, getattr(self.model.config, "max_position_embeddings", None) or 512)
+        self.windows = text_sequences(self.tokenizer, resolve_text(self.eval_text), self.eval_tokens, self.seq_len,
+                                      seed=0)
         self.baseline = self.score({})
 
     @property
@@ -79,7 +82,8 @@ class Setup:
     def stats(self, calib: str) -> CalibStats:
         def build():
             out = self.workdir / f"calib-{calib}"
-            api.calibrate(self.spec, out, tokens=self.calib_tokens, force=True, **CALIBRATIONS[calib])
+            api.calibrate(self.spec, out, tokens=self.calib_tokens, seq_len=self.seq_len, force=True,
+                          **CALIBRATIONS[calib])
             return CalibStats.load(out)
 
         return self.once(("stats", calib), build)
@@ -87,7 +91,7 @@ class Setup:
     def calib_sequences(self) -> Sequences:
         """The windows the text calibration read (same tokenizer, text, count and seed)."""
         return self.once("calib_seqs", lambda: text_sequences(
-            self.tokenizer, resolve_text("wiki:calib"), self.calib_tokens, 512, seed=0))
+            self.tokenizer, resolve_text("wiki:calib"), self.calib_tokens, self.seq_len, seed=0))
 
     def bases(self, factor: str, calib: str) -> list[LayerBasis]:
         def build():
@@ -100,7 +104,8 @@ class Setup:
     def layer_weights(self) -> LayerWeights:
         """Sensitivity weights of kvfold's own bases (aware, text), measured on wiki:dev."""
         def build():
-            probe = text_sequences(self.tokenizer, resolve_text("wiki:dev"), self.sensitivity_tokens, 512, seed=0)
+            probe = text_sequences(self.tokenizer, resolve_text("wiki:dev"), self.sensitivity_tokens, self.seq_len,
+                                   seed=0)
             return measure_weights(self.bases("aware", "text"), Evaluator(self.model, self.adapter, probe),
                                    min_rank=min(8, self.multiple))
 

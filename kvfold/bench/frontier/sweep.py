@@ -57,6 +57,9 @@ def _run(method: Method, setup: Setup) -> list[Point]:
 def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict]:
     done: dict[str, list[Point]] = {}
     rows = []
+    for method in methods:  # a method that cannot run on this model says so before any work
+        if hasattr(method, "check"):
+            method.check(setup.adapter)
     for method in methods:
         t0 = time.perf_counter()
         points = done[method.name] = _run(method, setup)

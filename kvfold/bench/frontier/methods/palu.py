@@ -24,10 +24,15 @@ from .base import Candidate
 __all__ = ["Palu", "prerope_grams"]
 
 
+def _check(adapter) -> None:
+    if adapter.k_proj is None or not adapter.rope:
+        raise KVFoldError(f"palu needs RoPE and separate k_proj/v_proj, which {adapter.name} has not; "
+                          "leave it out with --method")
+
+
 def prerope_grams(model, adapter, seqs, batch: int = 8) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, "k"|"v") -> float64 Gram [H_kv·d, H_kv·d] of the k_proj / v_proj outputs over `seqs`."""
-    if adapter.k_proj is None or not adapter.rope:
-        raise KVFoldError(f"palu needs separate k_proj/v_proj and RoPE; {adapter.name} has not")
+    _check(adapter)
     grams: dict[tuple[int, str], torch.Tensor] = {}
 
     def hook(key):
@@ -62,6 +67,9 @@ class Palu:
     knob: str = "removal rate r (per-layer joint spectrum)"
     origin: str | None = None
     grid: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03)
+
+    def check(self, adapter) -> None:
+        _check(adapter)
 
     def candidates(self, setup) -> Iterator[Candidate]:
         grams = setup.once("palu_grams", lambda: prerope_grams(setup.model, setup.adapter, setup.calib_sequences()))
