@@ -49,6 +49,9 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     (["--method", "nope"], "unknown method nope"),
     (["--json", "/nonexistent/x.json"], "does not exist"),
     (["--eval-tokens", "512"], "at least 1024"),
+    (["--accuracy", "1.5"], "--accuracy must be in (0, 1]"),
+    (["--multiple", "0"], "--multiple at least 1"),
+    (["--model", "/nonexistent"], "does not exist"),
 ])
 def test_frontier_bad_input_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, message):
     res = CliRunner().invoke(app, ["bench", "frontier", "--model", str(tiny_dirs["LlamaForCausalLM"]),

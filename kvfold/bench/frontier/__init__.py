@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_write_text
+from kvfold.sources.models import resolve_model
 
 from .methods import get_methods
 from .plot import draw, pyplot
@@ -23,12 +24,18 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
                    calib_tokens: int, sensitivity_tokens: int, multiple: int, json_path: Path | None,
                    png_path: Path | None) -> dict:
     """Run the frontier and write its JSON and PNG (each atomically; nothing is written on failure)."""
-    get_methods(list(methods or []))  # bad names fail before any work
+    get_methods(list(methods or []))  # bad names and paths fail before any work
+    for spec in models:
+        resolve_model(spec)
     for path in (json_path, png_path):
         if path is not None and not Path(path).parent.is_dir():
             raise KVFoldError(f"folder '{Path(path).parent}' does not exist; create it or choose another path")
     if eval_tokens < 1024:
         raise KVFoldError("--eval-tokens must be at least 1024 (two 512-token windows give a standard error)")
+    if not 0.0 < target <= 1.0:
+        raise KVFoldError(f"--accuracy must be in (0, 1], got {target}")
+    if calib_tokens < 1024 or sensitivity_tokens < 1 or multiple < 1:
+        raise KVFoldError("--calib-tokens must be at least 1024, --sensitivity-tokens and --multiple at least 1")
     if png_path is not None:
         pyplot()  # a missing plotting library fails now, not after the sweep
     report = run_frontier(models, methods, target, eval_text, eval_tokens, calib_tokens, sensitivity_tokens,
