@@ -18,6 +18,7 @@ from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_
 app = typer.Typer(
     help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # help texts show defaults as [x]; rich markup would swallow them
 )
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):

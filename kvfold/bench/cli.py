@@ -18,6 +18,7 @@ from kvfold.report import frontier_table
 from kvfold.sources.embedded import cache_root
 
 app = typer.Typer(help="Benchmarks: every figure measured in the run, as JSON.", add_completion=False,
+                  rich_markup_mode="markdown",
                   pretty_exceptions_enable=False, no_args_is_help=True)
 
 
