@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvfold.bench.frontier.methods import METHODS
+from kvfold.bench.frontier.methods import METHODS, get_methods
 from kvfold.bench.frontier.methods.palu import prerope_grams
 from kvfold.bench.frontier.methods.think import channel_masks
 from kvfold.bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask, mapped_projections
@@ -155,6 +155,7 @@ def test_kvfold_fp8_is_kvfold_with_its_cache_in_fp8(setup):
 def test_zack_is_the_papers_method_as_published(setup):
     """Common rotations from random-token calibration, one removal rate for K, V and every head."""
     zack = METHODS["zack"]
+    assert get_methods(["fdc"]) == [zack]  # either paper's name
     assert (zack.factors, zack.calib, zack.allocation, zack.v_scale) == ("zack", "random", "eq6", 1.0)
     assert setup.stats("random").header.options.source == "random"
     bases = [get_method("zack").basis(setup.stats("random"), i, o_proj_heads(setup.model, setup.adapter, i))

@@ -42,8 +42,12 @@ DEFAULT = tuple(METHODS)
 PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8")
 
 
+ALIASES = {"fdc": "zack"}  # the papers' method goes by either paper's name
+
+
 def get_methods(names: list[str]) -> list[Method]:
+    names = [ALIASES.get(n, n) for n in names]
     unknown = [n for n in names if n not in METHODS]
     if unknown:
-        raise KVFoldError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)}")
+        raise KVFoldError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)} (fdc = zack)")
     return [METHODS[n] for n in names]
