@@ -4,7 +4,7 @@ kvfold = output-aware V + whitened Q/K factors (rewrite/factors/aware.py) from t
 from removal rates scaled per layer by measured sensitivity (plan/sensitivity.py). Ablations: one rate r
 for K and V in every head (eq6, the papers' rule) with r_v = r_k or r_v = r_k / 4; random-token or ZDC
 (pruned + K-means) calibration instead of text — their sensitivity multipliers are kvfold's own, measured
-once per model (setup.layer_weights), so those two differ from kvfold in the factors alone.
+once per model (setup.layer_weights), so those two differ from kvfold in their calibration alone.
 `fp8=True` stores the compressed k', v' in fp8.
 """
 
