@@ -1,0 +1,102 @@
+"""Attention over a *paged* cache of packed per-head widths (vLLM's block tables), in plain torch.
+
+The paged layout — one layout for the vLLM backend, this torch path and the GPU kernels:
+  per layer one tensor  kv [num_blocks, block_size, Σ_g d_k + Σ_g d_v]  (any leading view of it that
+  flattens to rows, e.g. vLLM's [num_blocks, 1, block_size, C] with one declared "KV head")
+  row of a token         [k'_0 | k'_1 | … | k'_{G-1} | v'_0 | v'_1 | … | v'_{G-1}]
+                          every KV head g at its own width d_k[g] (keys) / d_v[g] (values), no padding
+  slot of a token         block_table[request, position // block_size] * block_size + position % block_size
+So a page holds block_size × (Σd_k + Σd_v) numbers: the KV pool shrinks by exactly 1 − p. Queries and
+outputs keep the contiguous packed layouts of kvfold_runtime.dims ([T, Σ_h d_k(g(h))], [T, Σ_h d_v(g(h))]).
+
+Requests are described as vLLM does: query_start_loc [R + 1] (their query tokens, concatenated), seq_lens [R]
+(tokens in the cache after this step, the new ones included: the queries are the *last* tokens of each
+sequence), block_table [R, max_blocks]. Decode requests (one query token) are batched into one call per
+KV head; prefills and chunked prefills (several query tokens against a cached prefix) go one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
+
+__all__ = ["paged_attention", "write_paged"]
+
+
+def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store keys k [N, Σd_k] and values v [N, Σd_v] of N tokens at their slots (-1: padding, skipped)."""
+    rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, Σd_k + Σd_v]
+    n = slots.shape[0]
+    k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    w = k.shape[-1]
+    rows[slots, :w] = k.to(rows.dtype)
+    rows[slots, w:] = v.to(rows.dtype)
+
+
+def _gather(blocks: torch.Tensor, table_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows of positions [start, end) of one sequence: [end - start, C]."""
+    bs = blocks.shape[1]
+    first, last = start // bs, (end + bs - 1) // bs
+    rows = blocks[table_row[first:last]].reshape(-1, blocks.shape[-1])  # [(last-first)·bs, C]
+    return rows[start - first * bs:end - first * bs]
+
+
+def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
+                    sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """query [T, Σ_h d_k(g(h))] -> [T, Σ_h d_v(g(h))]: causal attention of each request's queries over its
+    cached tokens (the paged layout above), at the original model's scaling. `sliding_window` W: a query at
+    position i sees keys i − W + 1 … i (Mistral's and transformers' convention)."""
+    sk = sum(d_k)
+    blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])  # [num_blocks, block_size, C] (vLLM's has a 1 in between)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    n_out = group * sum(d_v)
+    if out is None:
+        out = query.new_empty(query.shape[0], n_out)
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    other = [i for i, n in enumerate(q_lens) if n > 1]
+    if decode:
+        _decode(query, blocks, block_table, lens, starts, decode, d_k, d_v, group, scaling, sliding_window, sk, out)
+    for i in other:
+        s, t = lens[i], q_lens[i]
+        begin = 0 if sliding_window is None else max(0, s - t - sliding_window + 1)
+        rows = _gather(blocks, block_table[i], begin, s)  # [S', C]
+        q = query[starts[i]:starts[i + 1]]
+        mask = None
+        if sliding_window is not None or begin > 0:
+            qpos = torch.arange(s - t, s, device=q.device)[:, None]
+            kpos = torch.arange(begin, s, device=q.device)[None, :]
+            allowed = kpos <= qpos
+            if sliding_window is not None:
+                allowed &= qpos - kpos < sliding_window
+            mask = allowed[None, None]  # [1, 1, t, S']
+        o = sdpa_attention(q[None], rows[None, :, :sk].to(q.dtype), rows[None, :, sk:].to(q.dtype), d_k, d_v,
+                           group, scaling=scaling, mask=mask)
+        out[starts[i]:starts[i + 1]] = o[0]
+    return out
+
+
+def _decode(query, blocks, block_table, lens, starts, idx, d_k, d_v, group, scaling, window, sk, out) -> None:
+    """All one-token requests at once: their contexts gathered (padded to the longest) and masked."""
+    dev = query.device
+    seq = torch.tensor([lens[i] for i in idx], device=dev)
+    begin = torch.zeros_like(seq) if window is None else (seq - window).clamp(min=0)
+    span = int((seq - begin).max())
+    bs = blocks.shape[1]
+    # absolute positions read per request: begin … begin + span - 1 (past the end: masked)
+    pos = begin[:, None] + torch.arange(span, device=dev)[None, :]  # [N, span]
+    valid = pos < seq[:, None]
+    pos = torch.where(valid, pos, 0)
+    table = block_table[torch.tensor(idx, device=dev)]
+    slots = table.gather(1, pos // bs).long() * bs + pos % bs  # [N, span]
+    rows = blocks.reshape(-1, blocks.shape[-1])[slots]  # [N, span, C]
+    q = query[torch.tensor([starts[i] for i in idx], device=dev)][:, None]  # [N, 1, Σ_h d_k]
+    o = sdpa_attention(q, rows[..., :sk].to(q.dtype), rows[..., sk:].to(q.dtype), d_k, d_v, group,
+                       scaling=scaling, mask=valid[:, None, None, :])
+    out[torch.tensor([starts[i] for i in idx], device=dev)] = o[:, 0]

@@ -1,0 +1,107 @@
+"""The attention module of a kvfold export inside vLLM (Llama-like RoPE families).
+
+Per layer (row vectors; the same algebra as kvfold_runtime.hf.attention):
+  q = RoPE(norm(x W_q)) A_h,  k' = RoPE(norm(x W_k)) B_g,  v' = x W_v',  out = Σ_h attn_h(q, k', v') W_O'^h
+vLLM's own rotary embedding runs first; the post-RoPE projections A (`kvfold_q_post`, [d, Σ_h d_k(g(h))])
+and B (`kvfold_k_post`, [d, Σ_g d_k]) are held block-diagonally ([H·d, Σ_h d_k(g(h))] and
+[H_kv·d, Σ_g d_k]) so each is one matmul on vLLM's flat [T, H·d] query and [T, H_kv·d] key; the
+checkpoint's compact tensors are scattered into the blocks by their weight loaders.
+
+The layer's `Attention` declares one KV head of width Σd_k / Σd_v and `group` query heads of width Σd_k
+(see kvfold_runtime.vllm.backend): the packed vectors pass through vLLM's reshapes unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvfold_runtime.dims import LayerDims, model_dims
+from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
+from kvfold_runtime.vllm.errors import KVFoldLoadError
+
+__all__ = ["KVFoldVllmAttention"]
+
+
+def _block_diagonal_loader(head_dim: int, widths: list[int]):
+    """Weight loader: the checkpoint's [d, Σ widths] -> block i of [len(widths)·d, Σ widths]."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (head_dim, sum(widths)):
+            raise KVFoldLoadError(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected "
+                                  f"{(head_dim, sum(widths))} from config.json's ranks: the export is corrupt; "
+                                  "run `kvfold verify` on it")
+        param.data.zero_()
+        col = 0
+        for i, w in enumerate(widths):
+            param.data[i * head_dim:(i + 1) * head_dim, col:col + w] = loaded[:, col:col + w]
+            col += w
+
+    return load
+
+
+class KVFoldVllmAttention(nn.Module):
+    """Takes LlamaDecoderLayer's attention arguments (it is passed as `attn_layer_type`)."""
+
+    # set per model class (kvfold_runtime.vllm.models): QKV bias default and QK-norm
+    qkv_bias: bool | None = None  # None: as the decoder layer says (the config's attention_bias)
+    o_bias: bool | None = None
+    qk_norm: bool = False
+
+    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
+                 bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type: str = "decoder") -> None:
+        super().__init__()
+        if get_tensor_model_parallel_world_size() != 1:
+            raise KVFoldLoadError("kvfold exports are served with tensor_parallel_size=1 for now")
+        if quant_config is not None:
+            raise KVFoldLoadError("kvfold exports are unquantized checkpoints; drop --quantization")
+        layer = extract_layer_index(prefix)
+        try:
+            dims: LayerDims = model_dims(config)[layer]
+        except ValueError as e:
+            raise KVFoldLoadError(str(e)) from None
+        head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
+        self.dims, self.head_dim = dims, head_dim
+        self.q_full, self.k_full = num_heads * head_dim, num_kv_heads * head_dim
+        qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
+        self.qkv_proj = MergedColumnParallelLinear(hidden_size, [self.q_full, self.k_full, sum(dims.d_v)],
+                                                   bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(dims.out_width, hidden_size, bias=bias_o_proj if self.o_bias is None else self.o_bias,
+                                        prefix=f"{prefix}.o_proj")
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(head_dim, max_position=max_position_embeddings,
+                                   rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
+        q_widths = [w for w in dims.d_k for _ in range(dims.group)]  # query head h reads KV head h // group
+        self.kvfold_q_post = nn.Parameter(torch.zeros(self.q_full, dims.q_width), requires_grad=False)
+        self.kvfold_k_post = nn.Parameter(torch.zeros(self.k_full, sum(dims.d_k)), requires_grad=False)
+        self.kvfold_q_post.weight_loader = _block_diagonal_loader(head_dim, q_widths)
+        self.kvfold_k_post.weight_loader = _block_diagonal_loader(head_dim, list(dims.d_k))
+        sliding_window = None
+        if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
+            sliding_window = config.sliding_window
+        # the original model's scale: the short vectors approximate the full head_dim product
+        self.attn = Attention(dims.group, sum(dims.d_k), head_dim**-0.5, num_kv_heads=1, head_size_v=sum(dims.d_v),
+                              cache_config=cache_config, per_layer_sliding_window=sliding_window,
+                              prefix=f"{prefix}.attn", attn_backend=KVFoldAttentionBackend, kvfold_dims=dims)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_full, self.k_full, sum(self.dims.d_v)], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.view(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.view(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        q = q @ self.kvfold_q_post  # [T, Σ_h d_k(g(h))]
+        k = k @ self.kvfold_k_post  # [T, Σ_g d_k]
+        out = self.attn(q, k, v)  # [T, Σ_h d_v(g(h))]
+        out, _ = self.o_proj(out)
+        return out

@@ -1,0 +1,135 @@
+"""vLLM attention backend `KVFOLD`: attention over vLLM's paged cache at per-KV-head widths.
+
+Each kvfold layer declares itself to vLLM as *one* KV head of width Σ_g d_k (keys) and Σ_g d_v
+(values), `group` query heads of width Σ_g d_k: vLLM then sizes each page as
+block_size × (Σd_k + Σd_v) × bytes — exactly the compressed cache, no padding — and hands this backend
+the layer's tensor [num_blocks, 1, block_size, Σd_k + Σd_v]. The true per-head attention (KV head g
+at its own widths, its `group` query heads) runs on slices of it: the layout is written down in
+kvfold_runtime.kernels.paged, the math is kvfold_runtime.kernels.paged_attention (pure torch, any
+widths, d_k ≠ d_v, prefill, decode and chunked prefill, the model's original scaling, sliding windows).
+
+The per-head widths reach the implementation through the layer (`kvfold_dims=` extra argument of
+vLLM's Attention). The cache is stored in the model dtype: vLLM's fp8 KV cache is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from kvfold_runtime.dims import LayerDims
+from kvfold_runtime.kernels import paged_attention, write_paged
+
+__all__ = ["BACKEND_NAME", "KVFoldAttentionBackend"]
+
+BACKEND_NAME = "KVFOLD"
+
+
+@dataclass
+class KVFoldMetadata:
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [R + 1], host copy
+    seq_lens: torch.Tensor  # [R], host copy
+    block_table: torch.Tensor  # [R, max_blocks]
+    slot_mapping: torch.Tensor  # [num_actual_tokens]
+
+
+class KVFoldMetadataBuilder(AttentionMetadataBuilder[KVFoldMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVFoldMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        return KVFoldMetadata(num_actual_tokens=m.num_actual_tokens,
+                              query_start_loc=m.query_start_loc_cpu[:n + 1],
+                              seq_lens=m.seq_lens[:n].cpu(), block_table=m.block_table_tensor[:n],
+                              slot_mapping=m.slot_mapping[:m.num_actual_tokens])
+
+
+class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes,
+                 sliding_window: int | None, kv_cache_dtype: str, logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 *, kvfold_dims: LayerDims) -> None:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kvfold: kv_cache_dtype={kv_cache_dtype!r} is not supported by the kvfold backend "
+                             "yet; serve kvfold exports with the default kv_cache_dtype='auto'")
+        if alibi_slopes is not None or logits_soft_cap or attn_type != AttentionType.DECODER:
+            raise ValueError("kvfold: the kvfold backend serves causal decoder attention without ALiBi or "
+                             "soft-capping")
+        dims = kvfold_dims
+        assert num_kv_heads == 1 and num_heads == dims.group, "kvfold layers declare one packed KV head"
+        assert head_size == sum(dims.d_k), "declared key width must be Σ d_k"
+        self.dims, self.d_k, self.d_v = dims, list(dims.d_k), list(dims.d_v)
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = float(scale)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        write_paged(kv_cache, slot_mapping, key, value)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: KVFoldMetadata | None, output: torch.Tensor, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        """query [T, group, Σd_k] (the packed [T, Σ_h d_k(g(h))] seen through vLLM's reshape),
+        output [T, group, Σd_v] (likewise the packed [T, Σ_h d_v(g(h))])."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvfold: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        n = attn_metadata.num_actual_tokens
+        q = query[:n].reshape(n, -1)
+        out = output[:n].view(n, -1)
+        paged_attention(q, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
+                        attn_metadata.query_start_loc, self.d_k, self.d_v, self.dims.group, scaling=self.scale,
+                        sliding_window=self.sliding_window, out=out)
+        return output
+
+
+class KVFoldAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[KVFoldAttentionImpl]:
+        return KVFoldAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVFoldMetadataBuilder]:
+        return KVFoldMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any width
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size > 0
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER

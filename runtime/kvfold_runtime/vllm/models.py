@@ -1,0 +1,87 @@
+"""vLLM model classes for kvfold exports: vLLM's own Llama model with kvfold's attention module.
+
+Llama, Mistral, Qwen2 and Qwen3 share one structure in vLLM and in their checkpoints (embed_tokens,
+layers.N.{input_layernorm, self_attn, post_attention_layernorm, mlp}, norm, lm_head): each export
+class is vLLM's LlamaForCausalLM built with `attn_layer_type=` kvfold's attention, which differs per
+family only in its QKV/O biases and QK-norm. Every other KVFold<Arch> name that kvfold exports is
+registered too, as a class that stops at load with one line naming what vLLM can serve.
+
+Weights load through vLLM's loaders: q/k/v_proj stack into one fused projection (its three widths are
+the full q and k and the compressed v), the post-RoPE tensors go through block-diagonal loaders.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from vllm.model_executor.models.utils import WeightsMapper
+
+from kvfold_runtime.hf.families import FAMILIES
+from kvfold_runtime.vllm.attention import KVFoldVllmAttention
+from kvfold_runtime.vllm.errors import KVFoldLoadError
+
+__all__ = ["SERVED", "model_class"]
+
+
+class _KVFoldLlamaModel(LlamaModel):
+    # vLLM's Llama maps q/k/v_proj onto QKVParallelLinear's named shards; kvfold's fused projection is a
+    # MergedColumnParallelLinear (its v width is not a multiple of the head size), addressed by index.
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
+        ".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", 1), ".v_proj": (".qkv_proj", 2),
+        ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1),
+    })
+
+
+def _export_class(architecture: str, **attention_traits) -> type:
+    attention = type(f"KVFold{architecture}Attention", (KVFoldVllmAttention,), attention_traits)
+
+    class Model(LlamaForCausalLM):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix,
+                             layer_type=partial(LlamaDecoderLayer, attn_layer_type=attention))
+
+        def _init_model(self, vllm_config, prefix: str = "", layer_type=LlamaDecoderLayer):
+            return _KVFoldLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+    Model.__name__ = Model.__qualname__ = f"KVFold{architecture}"
+    Model.__doc__ = f"A kvfold export of {architecture}: a KV cache of per-head compressed widths."
+    return Model
+
+
+# source architecture -> traits of its attention (everything else is vLLM's Llama)
+SERVED = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+_classes = {arch: _export_class(arch, **traits) for arch, traits in SERVED.items()}
+
+
+def _unservable_class(architecture: str) -> type:
+    served = ", ".join(f"KVFold{a}" for a in SERVED)
+
+    class Unservable(_classes["LlamaForCausalLM"]):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            raise KVFoldLoadError(f"kvfold's vLLM plugin does not serve KVFold{architecture} exports (it serves "
+                                  f"{served}); load this one with transformers: import kvfold_runtime, then "
+                                  "AutoModelForCausalLM.from_pretrained")
+
+    Unservable.__name__ = Unservable.__qualname__ = f"KVFold{architecture}"
+    return Unservable
+
+
+for _arch in FAMILIES:
+    if _arch not in _classes:
+        _classes[_arch] = _unservable_class(_arch)
+
+
+def model_class(architecture: str) -> type:
+    """The vLLM class for exports of a source architecture (e.g. LlamaForCausalLM)."""
+    return _classes[architecture]
+
+
+# ModelRegistry.register_model("KVFoldLlamaForCausalLM", "kvfold_runtime.vllm.models:KVFoldLlamaForCausalLM")
+globals().update({f"KVFold{arch}": cls for arch, cls in _classes.items()})
