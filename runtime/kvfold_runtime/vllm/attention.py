@@ -97,8 +97,8 @@ class KVFoldVllmAttention(nn.Module):
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_full, self.k_full, sum(self.dims.d_v)], dim=-1)
         if self.qk_norm:
-            q = self.q_norm(q.view(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.view(-1, self.head_dim)).view(k.shape)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
         q = q @ self.kvfold_q_post  # [T, Σ_h d_k(g(h))]
         k = k @ self.kvfold_k_post  # [T, Σ_g d_k]
