@@ -24,7 +24,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvfold_runtime.dims import LayerDims, model_dims
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
-from kvfold_runtime.vllm.errors import KVFoldLoadError
+from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["KVFoldVllmAttention"]
 
@@ -34,7 +34,7 @@ def _block_diagonal_loader(head_dim: int, widths: list[int]):
 
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
         if tuple(loaded.shape) != (head_dim, sum(widths)):
-            raise KVFoldLoadError(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected "
+            raise refuse(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected "
                                   f"{(head_dim, sum(widths))} from config.json's ranks: the export is corrupt; "
                                   "run `kvfold verify` on it")
         param.data.zero_()
@@ -59,22 +59,19 @@ class KVFoldVllmAttention(nn.Module):
                  bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type: str = "decoder") -> None:
         super().__init__()
         if get_tensor_model_parallel_world_size() != 1:
-            raise KVFoldLoadError("kvfold exports are served with tensor_parallel_size=1 for now")
+            raise refuse("kvfold exports are served with tensor_parallel_size=1 for now")
         if quant_config is not None:
-            raise KVFoldLoadError("kvfold exports are unquantized checkpoints; drop --quantization")
+            raise refuse("kvfold exports are unquantized checkpoints; drop --quantization")
         layer = extract_layer_index(prefix)
-        try:
-            dims: LayerDims = model_dims(config)[layer]
-        except ValueError as e:
-            raise KVFoldLoadError(str(e)) from None
+        dims: LayerDims = model_dims(config)[layer]  # checked by the model class before any layer is built
         head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
         self.dims, self.head_dim = dims, head_dim
         self.q_full, self.k_full = num_heads * head_dim, num_kv_heads * head_dim
         qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
         self.qkv_proj = MergedColumnParallelLinear(hidden_size, [self.q_full, self.k_full, sum(dims.d_v)],
                                                    bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(dims.out_width, hidden_size, bias=bias_o_proj if self.o_bias is None else self.o_bias,
-                                        prefix=f"{prefix}.o_proj")
+        o_bias = bias_o_proj if self.o_bias is None else self.o_bias
+        self.o_proj = RowParallelLinear(dims.out_width, hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)

@@ -13,15 +13,28 @@ the full q and k and the compressed v), the post-RoPE tensors go through block-d
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import WeightsMapper
 
+from kvfold_runtime.dims import model_dims
+from kvfold_runtime.export import check_export
 from kvfold_runtime.hf.families import FAMILIES
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
-from kvfold_runtime.vllm.errors import KVFoldLoadError
+from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["SERVED", "model_class"]
+
+def _check(vllm_config) -> None:
+    """Before any weight is read: the export's files (sha256 vs its manifest) and its kvfold block."""
+    model_config = vllm_config.model_config
+    try:
+        if Path(model_config.model).is_dir():
+            check_export(model_config.model)
+        model_dims(model_config.hf_config)
+    except ValueError as e:
+        raise refuse(str(e)) from None
 
 
 class _KVFoldLlamaModel(LlamaModel):
@@ -38,6 +51,7 @@ def _export_class(architecture: str, **attention_traits) -> type:
 
     class Model(LlamaForCausalLM):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            _check(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix,
                              layer_type=partial(LlamaDecoderLayer, attn_layer_type=attention))
 
@@ -65,7 +79,7 @@ def _unservable_class(architecture: str) -> type:
 
     class Unservable(_classes["LlamaForCausalLM"]):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            raise KVFoldLoadError(f"kvfold's vLLM plugin does not serve KVFold{architecture} exports (it serves "
+            raise refuse(f"kvfold's vLLM plugin does not serve KVFold{architecture} exports (it serves "
                                   f"{served}); load this one with transformers: import kvfold_runtime, then "
                                   "AutoModelForCausalLM.from_pretrained")
 
