@@ -1,4 +1,4 @@
-"""`kvfold bench frontier|calibrate|export|memory ...` (also `python -m kvfold.bench ...`): each prints or
+"""`kvfold bench frontier|calibrate|export|memory|serve ...` (also `python -m kvfold.bench ...`): each prints or
 writes JSON measured in that run."""
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from kvfold.bench.calibrate import bench_calibrate, one_point
 from kvfold.bench.export import bench_export
 from kvfold.bench.frontier import bench_frontier
 from kvfold.bench.memory import bench_memory, one_run
+from kvfold.bench.serve import bench_serve, one_engine
 from kvfold.console import err, user_errors
+from kvfold.errors import KVFoldError
+from kvfold.io import atomic_write_text
 from kvfold.report import frontier_table
 from kvfold.sources.embedded import cache_root
 
@@ -88,6 +91,40 @@ def memory(
     """Peak memory of greedy generation, exported vs original, each in a fresh process; JSON."""
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     print(json.dumps(bench_memory(export, against, context, new_tokens, batch), indent=2))
+
+
+@app.command()
+def serve(
+    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    against: Annotated[str | None, typer.Option(help="The original model [the manifest's source].")] = None,
+    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget given to vLLM for each model, MiB.")] = 512,
+    requests: Annotated[int, typer.Option(help="Requests in the workload, submitted at once.")] = 64,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request (wiki:eval).")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (greedy, EOS ignored).")] = 128,
+    dtype: Annotated[str, typer.Option(help="Model dtype in vLLM.")] = "float32",
+    eager: Annotated[bool, typer.Option(help="Skip vLLM's torch.compile (faster start, slower steps).")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
+) -> None:
+    """vLLM serving, original vs export, same KV budget: KV token capacity, peak concurrent requests,
+    time and tokens/s of one fixed workload; each engine in a fresh process; JSON."""
+    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    with user_errors():
+        for flag, value in (("--kv-cache-mib", kv_cache_mib), ("--requests", requests),
+                            ("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens)):
+            if value < 1:
+                raise KVFoldError(f"{flag} must be at least 1")
+        report = bench_serve(export, against, kv_cache_mib, requests, prompt_tokens, new_tokens, dtype, eager)
+    text = json.dumps(report, indent=2)
+    if json_out is not None:
+        atomic_write_text(json_out, text + "\n")
+    print(text)
+
+
+@app.command("serve-point", hidden=True)
+def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, requests: int = 64,
+                prompt_tokens: int = 1024, new_tokens: int = 128, dtype: str = "float32", eager: bool = False) -> None:
+    result = one_engine(model, tokenizer_dir, kv_cache_bytes, requests, prompt_tokens, new_tokens, dtype, eager)
+    atomic_write_text(out, json.dumps(result))
 
 
 @app.command("memory-point", hidden=True)
