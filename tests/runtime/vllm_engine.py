@@ -1,0 +1,53 @@
+"""Run one real vLLM engine in a fresh process and read back what it did (tests call `run_engine`).
+
+A fresh process per engine: vLLM starts its own engine and worker processes and does not free
+everything when an LLM object goes away, and a failed start must not take the test process with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int = 32, kv_cache_bytes: int = 8 << 20,
+               block_size: int | None = None, max_model_len: int = 256, plugins: str | None = None,
+               timeout: int = 600) -> dict:
+    """Greedy generation from vLLM: {"tokens": [...], "kv_blocks", "block_size"} on success,
+    {"error": last lines, "output": everything printed} when the engine failed to start or run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
+                "block_size": block_size, "max_model_len": max_model_len, "out": str(out)}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        if plugins is not None:
+            env["VLLM_PLUGINS"] = plugins  # vLLM loads only the general plugins named here
+        done = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_engine", json.dumps(args)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        output = done.stdout + done.stderr
+        if done.returncode == 0 and out.exists():
+            return {**json.loads(out.read_text()), "output": output}
+        return {"error": output.strip().splitlines()[-5:], "output": output}
+
+
+def _main(args: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    extra = {"block_size": args["block_size"]} if args["block_size"] else {}
+    llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=args["max_model_len"],
+              kv_cache_memory_bytes=args["kv_cache_bytes"], seed=0, **extra)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
+                        SamplingParams(max_tokens=args["max_tokens"], temperature=0), use_tqdm=False)
+    cache = llm.llm_engine.vllm_config.cache_config
+    Path(args["out"]).write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                             "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}))
+
+
+if __name__ == "__main__":
+    _main(json.loads(sys.argv[1]))
