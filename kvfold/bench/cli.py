@@ -13,6 +13,7 @@ from kvfold.bench.calibrate import bench_calibrate, one_point
 from kvfold.bench.export import bench_export
 from kvfold.bench.frontier import bench_frontier
 from kvfold.bench.memory import bench_memory, one_run
+from kvfold.bench.openai_server import ask_server
 from kvfold.bench.serve import bench_serve, one_engine
 from kvfold.console import err, user_errors
 from kvfold.errors import KVFoldError
@@ -118,6 +119,21 @@ def serve(
     if json_out is not None:
         atomic_write_text(json_out, text + "\n")
     print(text)
+
+
+@app.command()
+def openai(
+    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    prompt: Annotated[str, typer.Option(help="The completion prompt.")] = "The capital of France is",
+    max_tokens: Annotated[int, typer.Option(help="Tokens per answer.")] = 16,
+) -> None:
+    """vLLM's OpenAI-compatible server on the export (127.0.0.1, a free port): one /v1/completions and one
+    /v1/chat/completions, then stopped; JSON with the answers and the seconds each step took."""
+    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    with user_errors():
+        if not (export / "kvfold.json").is_file():
+            raise KVFoldError(f"{export} is not a kvfold export (no kvfold.json); run kvfold export first")
+        print(json.dumps(ask_server(export, prompt, max_tokens), indent=2))
 
 
 @app.command("serve-point", hidden=True)

@@ -158,23 +158,10 @@ def test_smollm2_in_vllm(smollm2_exports):
 def test_openai_server_answers_completions_and_chat(smollm2_exports):
     """vLLM's OpenAI-compatible server on 127.0.0.1 at a free port, bounded waits, stopped with its whole
     process group: nothing left running."""
-    from tests.runtime.vllm_server import serve
+    from kvfold.bench.openai_server import ask_server
 
-    with serve(smollm2_exports["p10"]) as base:
-        import urllib.request
-
-        def post(route, body):
-            req = urllib.request.Request(base + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.loads(r.read())
-
-        model = str(smollm2_exports["p10"])
-        done = post("/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 8,
-                                        "temperature": 0})
-        assert done["choices"][0]["text"].strip()
-        chat = post("/v1/chat/completions", {"model": model, "max_tokens": 8, "temperature": 0,
-                                             "messages": [{"role": "user", "content": "Say hello."}]})
-        assert chat["choices"][0]["message"]["content"].strip()
+    report = ask_server(smollm2_exports["p10"], "The capital of France is", 8)
+    assert report["completion"].strip() and report["chat_completion"].strip() and report["stopped"]
 
 
 @pytest.mark.slow
