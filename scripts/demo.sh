@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up, then run the main job on the embedded default: calibrate SmolLM2-135M on Wikipedia text,
 # show its spectra, export a checkpoint that keeps 99% of its next-token accuracy, and verify it
-# (integrity, held-out accuracy against the original, KV bytes of the live cache, a generation).
+# (integrity, held-out accuracy against the original, KV bytes of the live cache, a generation), then
+# serve it with vLLM's OpenAI-compatible server (127.0.0.1, a free port) and print one completion.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -11,3 +12,4 @@ mkdir -p "$OUT"
 .venv/bin/kvfold inspect "$OUT/calib"
 .venv/bin/kvfold export smollm2 --calib "$OUT/calib" --accuracy 0.99 -o "$OUT/SmolLM2-135M-kvfold" --force
 .venv/bin/kvfold verify "$OUT/SmolLM2-135M-kvfold"
+.venv/bin/kvfold bench openai --export "$OUT/SmolLM2-135M-kvfold"

