@@ -76,3 +76,27 @@ def test_float32_writes_into_the_output_buffer():
     kv, table, lens, start, q, _, _ = _case(d_k, d_v, 2, [5, 11], [5, 1], dtype=torch.float32)
     out = torch.empty(q.shape[0], 2 * sum(d_v))
     assert paged_attention(q, kv, table, lens, start, d_k, d_v, 2, scaling=0.5, out=out) is out
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_holds_one_byte_per_number_and_attends_on_its_codes(fp8):
+    """vLLM's kv_cache_dtype="fp8": a uint8 cache of float8 codes of k / k_scale, v / v_scale. Attention on
+    it equals the reference on the decoded values; the codes round-trip within the format's step."""
+    d_k, d_v, group, bs = [5, 3], [2, 6], 2, 4
+    g = torch.Generator().manual_seed(3)
+    s, t = 11, 3
+    k, v = torch.randn(s, sum(d_k), generator=g) * 3, torch.randn(s, sum(d_v), generator=g)
+    kv = torch.zeros(4, 1, bs, sum(d_k) + sum(d_v), dtype=torch.uint8)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    pos = torch.arange(s)
+    write_paged(kv, table[0, pos // bs].long() * bs + pos % bs, k, v, fp8=fp8, k_scale=0.5, v_scale=2.0)
+    dk = ((k / 0.5).to(fp8).float() * 0.5)
+    dv = ((v / 2.0).to(fp8).float() * 2.0)
+    step = 2.0 ** -3 if fp8 == torch.float8_e4m3fn else 2.0 ** -2  # relative spacing of the mantissa
+    assert ((dk - k).abs() <= step * k.abs() + 1e-2).all()
+    q = torch.randn(t, group * sum(d_k), generator=g)
+    got = paged_attention(q, kv, table, torch.tensor([s]), torch.tensor([0, t]), d_k, d_v, group, scaling=0.4,
+                          fp8=fp8, k_scale=0.5, v_scale=2.0)
+    want = reference_attention(q[None], dk[None], dv[None], d_k, d_v, group, scaling=0.4,
+                               mask=_window_mask(t, s, None))[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
