@@ -60,6 +60,17 @@ def test_uneven_export_generates_what_transformers_generates(tiny_exports, arch)
     assert got["kv_blocks"] == BUDGET // page_bytes(export.path, 16)
 
 
+def test_fp8_kv_cache_composes_with_the_compressed_widths(tiny_exports):
+    """vLLM's kv_cache_dtype="fp8": one byte per number of the packed rows, so the same budget holds 4×
+    the float32 pool's blocks of the compressed widths."""
+    export = tiny_exports["LlamaForCausalLM", "uneven"]
+    got = run_engine(export.path, _prompts(3), max_tokens=24, kv_cache_bytes=BUDGET, block_size=16,
+                     kv_cache_dtype="fp8")
+    assert "error" not in got, got["error"]
+    assert got["kv_blocks"] == BUDGET // (page_bytes(export.path, 16) // 4)
+    assert [len(t) for t in got["tokens"]] == [24, 24, 24] and all(0 <= x < VOCAB for t in got["tokens"] for x in t)
+
+
 def _tampered(src, dst, edit):
     shutil.copytree(src, dst)
     edit(dst)

@@ -18,14 +18,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int = 32, kv_cache_bytes: int = 8 << 20,
                block_size: int | None = None, max_model_len: int = 256, plugins: str | None = None,
-               timeout: int = 600) -> dict:
+               kv_cache_dtype: str = "auto", timeout: int = 600) -> dict:
     """Greedy generation from vLLM, exactly `max_tokens` per prompt (EOS does not stop it; the tiny models'
     tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size"},
     {"error": last lines, "output": everything printed} when the engine failed to start or run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
-                "block_size": block_size, "max_model_len": max_model_len, "out": str(out)}
+                "block_size": block_size, "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype,
+                "out": str(out)}
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins  # vLLM loads only the general plugins named here
@@ -42,7 +43,7 @@ def _main(args: dict) -> None:
 
     extra = {"block_size": args["block_size"]} if args["block_size"] else {}
     llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=args["max_model_len"],
-              kv_cache_memory_bytes=args["kv_cache_bytes"], seed=0, **extra)
+              kv_cache_memory_bytes=args["kv_cache_bytes"], kv_cache_dtype=args["kv_cache_dtype"], seed=0, **extra)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
                         SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True), use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
