@@ -46,6 +46,21 @@ def page_bytes(path, block_size):
     return block_size * sum(sum(k) + sum(v) for k, v in zip(block["d_k"], block["d_v"], strict=True)) * 4
 
 
+def test_plugin_registers_once_lazily_and_checks_the_version():
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from kvfold_runtime import vllm as plugin
+
+    plugin.register()
+    plugin.register()  # idempotent: vLLM calls it in every process, possibly more than once
+    names = ModelRegistry.get_supported_archs()
+    assert {f"KVFold{a}" for a in SERVED} <= set(names) and "KVFoldGemma2ForCausalLM" in names
+    assert AttentionBackendEnum["KVFOLD"].get_path() == "kvfold_runtime.vllm.backend.KVFoldAttentionBackend"
+    assert plugin._version_ok("0.32.0") and plugin._version_ok("0.32.7+cpu")
+    assert not plugin._version_ok("0.33.0") and not plugin._version_ok("0.31.2")
+
+
 @pytest.mark.parametrize("arch", SERVED)
 def test_uneven_export_generates_what_transformers_generates(tiny_exports, arch):
     """Every layer and KV head at its own width, d_k ≠ d_v; 40 tokens, past Mistral's window of 16;
