@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvfold.bench.engine_log import root_cause
 from kvfold.errors import KVFoldError
 
 __all__ = ["ask", "ask_server", "serve"]
@@ -65,7 +66,7 @@ def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 2
         deadline = time.monotonic() + start_timeout
         while True:
             if proc.poll() is not None:
-                raise KVFoldError("the vLLM server exited: " + _last_error(Path(log.name).read_text()))
+                raise KVFoldError("the vLLM server exited: " + root_cause(Path(log.name).read_text()))
             if time.monotonic() > deadline:
                 raise KVFoldError(f"the vLLM server did not answer /health in {start_timeout:.0f} s")
             with contextlib.suppress(OSError):
@@ -78,12 +79,6 @@ def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 2
         _stop(proc)
         log.close()
         os.unlink(log.name)
-
-
-def _last_error(log: str) -> str:
-    """The line a user needs from a failed start: kvfold's own refusal if there is one, else the last line."""
-    lines = log.strip().splitlines() or [""]
-    return next((ln.split("kvfold: ", 1)[1] for ln in lines if "kvfold: " in ln), lines[-1])
 
 
 def ask(base: str, model: str, route: str, body: dict, timeout: float = 300) -> dict:

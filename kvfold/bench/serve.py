@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvfold.bench.engine_log import root_cause
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
@@ -89,8 +90,7 @@ def _run(model: str, tokenizer_dir: Path, args: dict) -> dict:
         cmd += ["--eager"] if args["eager"] else []
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0 or not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            raise KVFoldError(f"vLLM run of {model} failed: {tail[0]}")
+            raise KVFoldError(f"vLLM run of {model} failed: {root_cause(done.stdout + done.stderr)}")
         return json.loads(out.read_text())
 
 

@@ -199,7 +199,7 @@ def test_bench_serve_prints_capacity_and_workload(smollm2_exports, tmp_path):
 
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "kvfold.bench", "serve", "--export", str(smollm2_exports["p10"]),
-                           "--kv-cache-mib", "16", "--requests", "6", "--prompt-tokens", "200", "--new-tokens", "8",
+                           "--kv-cache-mib", "32", "--requests", "6", "--prompt-tokens", "200", "--new-tokens", "8",
                            "--eager", "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
