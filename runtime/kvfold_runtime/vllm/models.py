@@ -25,7 +25,8 @@ from kvfold_runtime.hf.families import FAMILIES
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
 
-__all__ = ["SERVED", "model_class"]
+__all__ = ["SERVED"]
+
 
 def _check(vllm_config) -> None:
     """Before any weight is read: the export's files (sha256 vs its manifest) and its kvfold block."""
@@ -85,8 +86,8 @@ def _unservable_class(architecture: str) -> type:
     class Unservable(_classes["LlamaForCausalLM"]):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
             raise refuse(f"kvfold's vLLM plugin does not serve KVFold{architecture} exports (it serves "
-                                  f"{served}); load this one with transformers: import kvfold_runtime, then "
-                                  "AutoModelForCausalLM.from_pretrained")
+                         f"{served}); load this one with transformers: import kvfold_runtime, then "
+                         "AutoModelForCausalLM.from_pretrained")
 
     Unservable.__name__ = Unservable.__qualname__ = f"KVFold{architecture}"
     return Unservable
@@ -95,11 +96,6 @@ def _unservable_class(architecture: str) -> type:
 for _arch in FAMILIES:
     if _arch not in _classes:
         _classes[_arch] = _unservable_class(_arch)
-
-
-def model_class(architecture: str) -> type:
-    """The vLLM class for exports of a source architecture (e.g. LlamaForCausalLM)."""
-    return _classes[architecture]
 
 
 # ModelRegistry.register_model("KVFoldLlamaForCausalLM", "kvfold_runtime.vllm.models:KVFoldLlamaForCausalLM")
