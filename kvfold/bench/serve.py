@@ -94,6 +94,31 @@ def _run(model: str, tokenizer_dir: Path, args: dict) -> dict:
         return json.loads(out.read_text())
 
 
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def layout_capacities(manifest: Manifest, budget: int, block_size: int, dtype: str) -> dict:
+    """KV tokens vLLM gives `budget` bytes under each way to declare per-head widths, by vLLM's page
+    formula (a page = block_size × Σ over a layer's declared KV heads of (head_size + head_size_v) × bytes;
+    all layers share one block pool): the packed layout kvfold uses (one KV head of Σd_k / Σd_v per
+    layer), padding every head of a layer to its widest, and one Attention per bucket of equal widths."""
+    per_layer = {"packed": [], "pad_to_layer_max": [], "buckets": []}
+    buckets = 0
+    for d_k, d_v in zip(manifest.d_k, manifest.d_v, strict=True):
+        pairs = list(zip(d_k, d_v, strict=True))
+        per_layer["packed"].append(sum(d_k) + sum(d_v))
+        per_layer["pad_to_layer_max"].append(len(pairs) * (max(d_k) + max(d_v)))
+        per_layer["buckets"].append(sum(k + v for k, v in pairs))
+        buckets += len(set(pairs))
+    out = {}
+    for name, numbers in per_layer.items():
+        page = block_size * sum(numbers) * _BYTES[dtype]
+        out[name] = {"kv_token_capacity": budget // page * block_size, "page_bytes": page}
+    out["buckets"]["attention_calls_per_step"] = buckets
+    out["packed"]["attention_calls_per_step"] = out["pad_to_layer_max"]["attention_calls_per_step"] = len(manifest.d_k)
+    return out
+
+
 def bench_serve(export: Path, against: str | None, kv_cache_mib: int, requests: int, prompt_tokens: int,
                 new_tokens: int, dtype: str, eager: bool) -> dict:
     manifest = Manifest.load(export)
@@ -109,6 +134,8 @@ def bench_serve(export: Path, against: str | None, kv_cache_mib: int, requests: 
         "compression_p": round(p, 4), "dtype": dtype, "kv_cache_mib": kv_cache_mib,
         "workload": {"requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens},
         "runs": {"original": original, "exported": exported},
+        # the lead the plugin follows, against the alternatives: capacity by vLLM's page formula
+        "layouts": layout_capacities(manifest, args["kv_cache_bytes"], exported["block_size"], dtype),
         "kv_capacity_ratio": round(ratio, 4), "ideal_capacity_ratio": round(1 / (1 - p), 4),
         "capacity_target_met": ratio >= 0.97 / (1 - p),
         "peak_running_ratio": round(exported["peak_running_requests"] / max(1, original["peak_running_requests"]), 4),
