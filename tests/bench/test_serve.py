@@ -31,6 +31,6 @@ def test_layout_capacities_follow_vllms_page_formula():
     # numbers per token: packed 3+5+2+2 + 4+4+1+6 = 27; padded 2·(5+2) + 2·(4+6) = 34
     assert got["packed"]["page_bytes"] == got["buckets"]["page_bytes"] == 4 * 27 * 4
     assert got["pad_to_layer_max"]["page_bytes"] == 4 * 34 * 4
-    assert got["packed"]["kv_token_capacity"] == 10_000 // (4 * 27 * 4) * 4 == 20
-    assert got["pad_to_layer_max"]["kv_token_capacity"] == 16
+    assert got["packed"]["kv_token_capacity"] == 10_000 // (4 * 27 * 4) * 4 == 92  # blocks × block size
+    assert got["pad_to_layer_max"]["kv_token_capacity"] == 10_000 // (4 * 34 * 4) * 4 == 72
     assert got["buckets"]["attention_calls_per_step"] == 4 and got["packed"]["attention_calls_per_step"] == 2
