@@ -27,6 +27,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvfold_runtime.dims import LayerDims
 from kvfold_runtime.kernels import paged_attention, write_paged
@@ -132,6 +133,12 @@ class KVFoldAttentionBackend(AttentionBackend):
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         return head_size > 0
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        # Layer-compact layouts only: each layer's cache is then one contiguous tensor whose rows are the
+        # token slots (the backend declares one KV head, so [L, B, H, N, C] and [L, B, N, H, C] coincide).
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
