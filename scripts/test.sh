@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite: fast unit tests, the real-model tests (slow) and the vLLM tests.
+# Set up, then run the whole test suite: fast unit tests, the real-model tests (slow) and the vLLM-engine tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
