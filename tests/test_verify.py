@@ -90,3 +90,71 @@ def test_not_a_kvfold_directory_is_bad_input(tiny_dirs, exported, tmp_path):
 def test_against_another_model_fails(exported, tiny_dirs):
     failed = _failed(_verify(*exported, "--against", tiny_dirs["Qwen2ForCausalLM"]))
     assert "is not the model this was exported from" in failed["against"]
+
+
+def _mixed_gemma3(folder):
+    """The tiny Gemma 3 with one sliding (window 16) and one full-attention layer, as real Gemma 3 mixes them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TINY_CONFIGS, tiny_tokenizer
+
+    config = TINY_CONFIGS["Gemma3ForCausalLM"]()
+    config.layer_types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.config.architectures = ["Gemma3ForCausalLM"]
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Gemma3ForCausalLM"])
+def test_sliding_window_exports_verify_at_a_context_past_the_window(tiny_dirs, tmp_path, arch):
+    """Sliding-window layers hold only their window (16 here) of the 256-token window verify runs; with
+    sliding and full layers of different widths (Gemma 3) the live cache is not (1 − p) × the original's:
+    the check expects each layer's own token count."""
+    source = _mixed_gemma3(tmp_path / "gemma3") if arch == "Gemma3ForCausalLM" else tiny_dirs[arch]
+    text = tmp_path / "eval.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    calib, out = tmp_path / "calib", tmp_path / "exported"
+    assert run("calibrate", source, "-o", calib, "--tokens", 512, "--seq-len", 64).exit_code == 0
+    result = run("export", source, "--calib", calib, "--eval-text", text, "--eval-tokens", 256,
+                 "--ratio", 0.3, "--multiple", 1, "--min-rank", 4, "-o", out)
+    assert result.exit_code == 0, result.output
+    result = _verify(out, text)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] and {c["name"]: c["ok"] for c in report["checks"]}["kv_bytes"]
+    assert report["kv_bytes_ratio"] == pytest.approx(report["expected_kv_bytes_ratio"], abs=1e-12)
+    p = json.loads((out / "kvfold.json").read_text())["chosen"]["compression"]
+    if arch == "Gemma3ForCausalLM":
+        assert report["kv_bytes_ratio"] != pytest.approx(1 - p, abs=1e-6)
+
+
+def test_the_kv_bytes_expectation_catches_a_wrong_rank(exported):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import kvfold_runtime
+    from kvfold.sources.models import load_model, resolve_model
+    from kvfold.verify.serving import expected_kv_bytes
+
+    manifest = json.loads((exported[0] / "kvfold.json").read_text())
+    served = AutoModelForCausalLM.from_pretrained(exported[0], dtype=torch.float32).eval()
+    original = load_model(resolve_model(manifest["source"]["path"]))
+    ids = torch.arange(40)[None] % 200
+    with torch.inference_mode():
+        want = expected_kv_bytes(original(input_ids=ids, use_cache=True).past_key_values,
+                                 manifest["d_k"], manifest["d_v"])
+        live = kvfold_runtime.kv_cache_bytes(served(input_ids=ids, use_cache=True).past_key_values)
+    assert live == want
+    wrong = [list(r) for r in manifest["d_k"]]
+    wrong[0][0] -= 1
+    with torch.inference_mode():
+        assert expected_kv_bytes(original(input_ids=ids, use_cache=True).past_key_values, wrong,
+                                 manifest["d_v"]) != live
