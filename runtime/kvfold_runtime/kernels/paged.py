@@ -92,8 +92,8 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Te
         begin = 0 if sliding_window is None else max(0, s - t - sliding_window + 1)
         rows = _gather(blocks, block_table[i], begin, s)  # [S', C]
         q = query[starts[i]:starts[i + 1]]
-        mask = None
-        if sliding_window is not None or begin > 0:
+        mask = None  # no window: sdpa_attention's own causal mask, aligned to the last query
+        if sliding_window is not None:
             qpos = torch.arange(s - t, s, device=q.device)[:, None]
             kpos = torch.arange(begin, s, device=q.device)[None, :]
             allowed = kpos <= qpos
@@ -120,7 +120,8 @@ def _decode(query, blocks, block_table, lens, starts, idx, d_k, d_v, group, scal
     table = block_table[torch.tensor(idx, device=dev)]
     slots = table.gather(1, pos // bs).long() * bs + pos % bs  # [N, span]
     rows = blocks.reshape(-1, blocks.shape[-1])[slots]  # [N, span, C]
-    q = query[torch.tensor([starts[i] for i in idx], device=dev)][:, None]  # [N, 1, Σ_h d_k]
+    at = torch.tensor([starts[i] for i in idx], device=dev)  # each request's one query token
+    q = query[at][:, None]  # [N, 1, Σ_h d_k]
     k, v = _decode_rows(rows, sk, q.dtype, *codec)
     o = sdpa_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=valid[:, None, None, :])
-    out[torch.tensor([starts[i] for i in idx], device=dev)] = o[:, 0]
+    out[at] = o[:, 0]

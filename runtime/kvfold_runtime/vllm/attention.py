@@ -35,8 +35,8 @@ def _block_diagonal_loader(head_dim: int, widths: list[int]):
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
         if tuple(loaded.shape) != (head_dim, sum(widths)):
             raise refuse(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected "
-                                  f"{(head_dim, sum(widths))} from config.json's ranks: the export is corrupt; "
-                                  "run `kvfold verify` on it")
+                         f"{(head_dim, sum(widths))} from config.json's ranks: the export is corrupt; "
+                         "run `kvfold verify` on it")
         param.data.zero_()
         col = 0
         for i, w in enumerate(widths):
