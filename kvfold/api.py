@@ -23,9 +23,10 @@ from kvfold.plan.recipe import Recipe, load_recipe
 from kvfold.sources.models import DTYPES, load_model, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
-from kvfold.verify import VerifyReport, verify
+from kvfold.verify import DEFAULT_TEXTS, VerifyReport, verify
 
-__all__ = ["CalibResult", "ExportResult", "Recipe", "VerifyReport", "calibrate", "export", "inspect", "load_recipe",
+__all__ = ["DEFAULT_TEXTS", "CalibResult", "ExportResult", "Recipe", "VerifyReport", "calibrate", "export", "inspect",
+           "load_recipe",
            "prepare", "verify"]
 
 

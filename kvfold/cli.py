@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -60,20 +61,24 @@ def export(
     model: Annotated[str, typer.Argument(help="The model that was calibrated (folder or 'smollm2').")],
     calib: Annotated[Path, typer.Option(help="Directory written by kvfold calibrate.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the checkpoint to.")],
-    accuracy: Annotated[float | None, typer.Option(help="Keep at least this fraction of the metric.")] = None,
+    accuracy: Annotated[float | None, typer.Option(help="Keep at least this fraction of the metric (joint: top-1 "
+                                                   "ratio ≥ A and perplexity ratio ≤ 1/A).")] = None,
     ratio: Annotated[float | None, typer.Option(help="Instead: reach this KV compression p.")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe with these options (flags override).")] = None,
     method: Annotated[str | None, typer.Option(help="aware (kvfold's, default) or zack (the papers').")] = None,
     eval_text: Annotated[str | None, typer.Option(help="Text the search scores on [wiki:dev].")] = None,
     eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on [16384].")] = None,
-    metric: Annotated[str | None, typer.Option(help="top1 (next-token accuracy, default) or ppl.")] = None,
+    metric: Annotated[str | None, typer.Option(help="joint (top-1 and perplexity, default), top1, ppl, agree "
+                                               "(top-1 agreement with the original) or kl.")] = None,
+    max_kl: Annotated[float | None, typer.Option(help="Instead: mean KL divergence from the original ≤ this "
+                                                 "(nats per token).")] = None,
     multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this [8].")] = None,
     min_rank: Annotated[int | None, typer.Option(help="Smallest rank of any head [8].")] = None,
     v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K [1.0].")] = None,
     allocation: Annotated[str | None, typer.Option(help="sensitivity (per-layer rates from measured costs, "
                                                    "default) or eq6 (one rate, the papers').")] = None,
-    margin: Annotated[float | None, typer.Option(help="Need top-1 ratio − MARGIN standard errors ≥ "
-                                                 "--accuracy [1 for top1].")] = None,
+    margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
+                                                 "unfavourable side [1].")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
@@ -81,10 +86,12 @@ def export(
     """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
     with user_errors():
         options = api.load_recipe(recipe, dict(
-            accuracy=accuracy, ratio=ratio, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
+            accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
             allocation=allocation))
-        result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force)
+        t0 = time.monotonic()
+        result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force,
+                            log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))
     out.print(export_summary(result))
 
 
@@ -92,14 +99,16 @@ def export(
 def verify(
     export_dir: Annotated[Path, typer.Argument(metavar="EXPORTED", help="A directory written by kvfold export.")],
     against: Annotated[str | None, typer.Option(help="The original model [the source in the manifest].")] = None,
-    eval_text: Annotated[str, typer.Option(help="Held-out text to compare on.")] = "wiki:eval",
-    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text to compare on.")] = 16384,
+    eval_text: Annotated[list[str] | None, typer.Option(help="Held-out text to compare on; repeat for several "
+                                                        "[wiki:eval and pydoc:eval].")] = None,
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of each --eval-text to compare on.")] = 16384,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Check files, shapes, fidelity against the original and live KV-cache bytes. Exit 0 pass, 1 a check
     failed, 2 bad input."""
     with user_errors():
-        report = api.verify(export_dir, against=against, eval_text=eval_text, eval_tokens=eval_tokens)
+        report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
+                            eval_tokens=eval_tokens)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

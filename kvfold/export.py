@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,11 +39,12 @@ class ExportResult:
 
 
 def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve: Path | None = None,
-           force: bool = False) -> ExportResult:
+           force: bool = False, log: Callable[[str], None] = lambda line: None) -> ExportResult:
     """Choose per-head ranks for the recipe's target, bake them, write a checkpoint atomically.
 
     With `reuse_curve` (a previous export of the same model, calibration, method and rounding), the
-    point is picked from its recorded curve and nothing is evaluated again."""
+    point is picked from its recorded curve and nothing is evaluated again. `log` gets one plain line
+    per stage and per scored candidate."""
     ref = resolve_model(model)
     stats = CalibStats.load(Path(calib))
     sha = weights_sha256(ref.path)
@@ -51,6 +53,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                           f"run kvfold calibrate {model} first")
     previous = _reusable(Path(reuse_curve), sha, stats, recipe) if reuse_curve else None
     docs = None if previous else resolve_text(recipe.eval_text)
+    target = recipe.target()
 
     with atomic_dir(Path(output), force=force) as tmp:
         net = load_model(ref)
@@ -60,9 +63,11 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
 
         windows = None if previous else text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512,
                                                        seed=0)
-        if windows is not None and recipe.accuracy is not None and recipe.margin and len(windows.ids) < 2:
+        if windows is not None and target is not None and target.needs_se() and len(windows.ids) < 2:
             raise KVFoldError(f"--margin needs a standard error, and {recipe.eval_text} gives one 512-token "
                               "window; raise --eval-tokens to 1024 or more, or pass --margin 0")
+        if previous is None and recipe.allocation == "sensitivity":
+            log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")
         weights = _layer_weights(previous, recipe, bases, net, ref, windows)
 
         def rule(r: float) -> RankRule:
@@ -75,13 +80,16 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             measured = dict(eval_text=previous.eval_text, eval_tokens=previous.eval_tokens,
                             baseline_top1=previous.baseline_top1, baseline_ppl=previous.baseline_ppl)
         else:
+            log(f"scoring the original on {windows.num_tokens} tokens of {recipe.eval_text}")
             evaluator = Evaluator(net, ref.adapter, windows)
-            if recipe.accuracy is not None:
-                best, curve = for_accuracy(bases, evaluator, recipe.accuracy, recipe.metric, rule, recipe.margin)
+            if target is not None:
+                log(f"searching for {target.describe()}")
+                best, curve = for_accuracy(bases, evaluator, target, rule, progress=lambda p: log(_candidate(p)))
             else:
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
+        log(f"chosen: {_candidate(best)}; writing the checkpoint")
         ranks = plan_ranks(bases, replace(rule(best.r_k), r_v=best.r_v))
         baked = bake(net, ref.adapter, factors_for(bases, ranks))
         h = stats.header
@@ -92,7 +100,8 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                                weights_sha256=sha),
             calibration=Calibration(source=h.options.source, text=h.options.text, tokens=h.tokens,
                                     seed=h.options.seed, stats_sha256=h.stats_sha256),
-            method=recipe.method, metric=recipe.metric, target=_target(recipe),
+            method=recipe.method, metric=recipe.metric, target=_target(recipe), target_level=_level(recipe),
+            margin=recipe.margin if target is not None else 0.0,
             rounding_multiple=recipe.multiple, min_rank=recipe.min_rank, head_dim=h.model.head_dim,
             allocation=recipe.allocation, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
@@ -124,10 +133,18 @@ def _weight_fields(weights: LayerWeights | None) -> dict:
 
 
 def _target(recipe: Recipe) -> str:
-    if recipe.accuracy is None:
-        return f"compression>={recipe.ratio}"
-    margin = f" - {recipe.margin}*se" if recipe.margin else ""
-    return f"{recipe.metric}{margin}>={recipe.accuracy}"
+    target = recipe.target()
+    return f"compression>={recipe.ratio}" if target is None else target.describe()
+
+
+def _level(recipe: Recipe) -> float | None:
+    target = recipe.target()
+    return None if target is None else target.level
+
+
+def _candidate(p: CurvePoint) -> str:
+    return (f"p={p.compression:.4f}: top-1 ratio {p.top1_ratio:.4f} ± {p.top1_se:.4f}, perplexity ratio "
+            f"{p.ppl_ratio:.4f} ± {p.ppl_se:.4f}, agreement {p.agreement:.4f}, mean KL {p.kl:.5f}")
 
 
 def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manifest:
@@ -147,8 +164,8 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
 
 
 def _pick(curve: list[CurvePoint], recipe: Recipe) -> CurvePoint:
-    if recipe.accuracy is not None:
-        return best_point(curve, recipe.metric, recipe.accuracy, recipe.margin, where="on the recorded curve")
+    if recipe.target() is not None:
+        return best_point(curve, recipe.target(), where="on the recorded curve")
     ok = [p for p in curve if p.compression >= recipe.ratio]
     if not ok:
         raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")

@@ -41,8 +41,10 @@ def calib_summary(result) -> str:
 def export_summary(result) -> str:
     m, c = result.manifest, result.manifest.chosen
     return (f"exported {m.source.spec} ({m.method}) -> {result.output}: KV cache {1 - c.compression:.1%} of the "
-            f"original (p = {c.compression:.3f}), top-1 ratio {c.top1_ratio:.4f} ± {c.top1_se:.4f}, perplexity ratio "
-            f"{c.ppl_ratio:.4f} on {m.eval_text} ({m.eval_tokens} tokens); {len(m.curve)} points on the curve")
+            f"original (p = {c.compression:.3f}); on {m.eval_text} ({m.eval_tokens} tokens): top-1 ratio "
+            f"{c.top1_ratio:.4f} ± {c.top1_se:.4f}, perplexity ratio {c.ppl_ratio:.4f} ± {c.ppl_se:.4f}, top-1 "
+            f"agreement {c.agreement:.4f}, mean KL {c.kl:.5f} nats (p99 {c.kl_p99:.4f}); target: {m.target}; "
+            f"{len(m.curve)} points on the curve")
 
 
 def spectrum_table(header: CalibHeader, rows: list[LayerSpectrum]) -> Table:
@@ -68,13 +70,22 @@ def verify_table(report) -> Table:
     table.add_column("detail")
     for c in report.checks:
         table.add_row(c.name, "[green]ok[/green]" if c.ok else "[red]FAILED[/red]", c.detail)
+    for t in report.texts:
+        table.add_section()
+        table.add_row(t["eval_text"], "", f"top-1 ratio {t['top1_ratio']:.4f} ± {t['top1_se']:.4f}, perplexity ratio "
+                      f"{t['ppl_ratio']:.4f} ± {t['ppl_se']:.4f}, top-1 agreement {t['agreement']:.4f}, mean KL "
+                      f"{t['kl']:.5f} nats (p99 {t['kl_p99']:.4f}); {t['tokens']} tokens")
     g = report.generation
     if g:
         table.add_section()
-        table.add_row("prompt", "", g["prompt"])
-        table.add_row("original", "", g["original"])
-        table.add_row("exported", "", f"{g['exported']}  [dim]({g['identical_tokens']}/{g['new_tokens']} tokens "
-                                      "identical)[/dim]")
+        run = g["runs"][0]
+        table.add_row("prompt", "", run["prompt"])
+        table.add_row("original", "", run["original"])
+        table.add_row("exported", "", run["exported"])
+        first = ", ".join("none" if r["first_divergence"] is None else str(r["first_divergence"]) for r in g["runs"])
+        table.add_row("generation", "", f"first differing token of {len(g['runs'])} greedy continuations: {first} "
+                      f"(of {run['new_tokens']}); reading the original's continuations the export's next token is "
+                      f"the original's on {g['forced_agreement']:.4f} of {g['forced_tokens']}")
     table.caption = "all checks passed" if report.ok else f"FAILED: {', '.join(c.name for c in report.failed())}"
     return table
 
@@ -82,7 +93,8 @@ def verify_table(report) -> Table:
 def frontier_table(report: dict) -> Table:
     """Compression reached at the target per method and model (kvfold bench frontier)."""
     target = report["target_top1_ratio"]
-    table = Table(title=f"KV bytes saved at top-1 ratio {target:g} ({report['eval_text']}, {report['date']})")
+    table = Table(title=f"KV bytes saved at top-1 ratio {target:g} / and also perplexity ratio ≤ {1 / target:.4f} "
+                  f"({report['eval_text']}, {report['date']})")
     table.add_column("method")
     for m in report["models"]:
         table.add_column(f"{m['model']} ({m['num_kv_heads']} KV heads)", justify="right")
@@ -91,9 +103,12 @@ def frontier_table(report: dict) -> Table:
         cells = []
         for m in report["models"]:
             row = next((r for r in m["methods"] if r["name"] == name), None)
-            at = None if row is None else row["compression_at_target"]
-            cells.append("-" if row is None else "not reached" if at is None else
-                         f"{at:.1%}" + (" (or more)" if row["every_point_passes"] and row["origin"] is None
-                                       and len(row["points"]) > 1 else ""))
+            if row is None:
+                cells.append("-")
+                continue
+            at, joint = row["compression_at_target"], row.get("compression_at_joint_target")
+            cell = "not reached" if at is None else f"{at:.1%}" + (
+                " (or more)" if row["every_point_passes"] and row["origin"] is None and len(row["points"]) > 1 else "")
+            cells.append(f"{cell} / {'not reached' if joint is None else f'{joint:.1%}'}")
         table.add_row(name, *cells)
     return table

@@ -1,6 +1,7 @@
 """kvfold export end to end on a tiny model, and its bad inputs."""
 
 import json
+import math
 import os
 
 import pytest
@@ -9,6 +10,7 @@ from safetensors.torch import load_file
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
+from kvfold.plan.criteria import Target
 from tests.test_cli import assert_user_error, run
 
 LLAMA = "LlamaForCausalLM"
@@ -39,7 +41,9 @@ def test_the_default_margin_needs_two_windows_and_is_recorded(setup, tmp_path):
     result = run(*args, "--eval-tokens", 1024, "-o", tmp_path / "b")
     assert result.exit_code == 0, result.output
     m = Manifest.load(tmp_path / "b")
-    assert m.target == "top1 - 1.0*se>=0.5" and m.chosen.top1_ratio - m.chosen.top1_se >= 0.5
+    assert m.target == "top-1 ratio ≥ 0.5 and perplexity ratio ≤ 2 (1 se)" and m.metric == "joint"
+    assert m.chosen.top1_ratio - m.chosen.top1_se >= 0.5 and m.chosen.ppl_ratio + m.chosen.ppl_se <= 2
+    assert m.accuracy_target().met(m.chosen) and m.margin == 1.0 and m.target_level == 0.5
 
 
 @pytest.mark.parametrize("method", ["aware", "zack"])
@@ -83,6 +87,17 @@ def test_manifest_round_trips_and_rejects_unknown_major(setup, tmp_path):
     raw = json.loads(m.to_json())
     old = {k: v for k, v in raw.items() if not k.startswith(("allocation", "layer_"))} | {"schema_version": "1.0"}
     assert Manifest.from_json(json.dumps(old)).allocation == "eq6"  # 1.0 files (before allocation) still load
+    new_fields = ("ppl_se", "agreement", "agreement_se", "kl", "kl_se", "kl_p99")
+
+    def v11(point):
+        return {k: v for k, v in point.items() if k not in new_fields} | {"ppl_ratio": 1 / point["ppl_ratio"]}
+
+    old = {k: v for k, v in raw.items() if k not in ("target_level", "margin")} | {
+        "schema_version": "1.1", "metric": "top1", "target": "top1 - 1.0*se>=0.5", "chosen": v11(raw["chosen"]),
+        "curve": [v11(p) for p in raw["curve"]]}
+    upgraded = Manifest.from_json(json.dumps(old))  # 1.1: ppl₀/ppl and the target as one string
+    assert upgraded.chosen.ppl_ratio == pytest.approx(m.chosen.ppl_ratio) and math.isnan(upgraded.chosen.kl)
+    assert upgraded.accuracy_target() == Target("top1", 0.5, 1.0)
     raw["schema_version"] = "2.0"
     with pytest.raises(KVFoldError, match=r"schema version '2\.0'"):
         Manifest.from_json(json.dumps(raw))
@@ -93,10 +108,10 @@ def test_manifest_round_trips_and_rejects_unknown_major(setup, tmp_path):
     [
         (["--accuracy", 0], "--accuracy: Input should be greater than 0"),
         (["--accuracy", 1.5], "--accuracy: Input should be less than or equal to 1"),
-        (["--accuracy", 0.9, "--ratio", 0.1], "options: give exactly one of accuracy or ratio"),
-        ([], "options: give exactly one of accuracy or ratio"),
+        (["--accuracy", 0.9, "--ratio", 0.1], "options: give exactly one of accuracy, ratio or max_kl"),
+        ([], "options: give exactly one of accuracy, ratio or max_kl"),
         (["--accuracy", 0.9, "--method", "magic"], "--method: Input should be 'aware' or 'zack'"),
-        (["--accuracy", 0.9, "--metric", "bleu"], "--metric: Input should be 'top1' or 'ppl'"),
+        (["--accuracy", 0.9, "--metric", "bleu"], "--metric: Input should be 'joint', 'top1', 'ppl', 'agree' or 'kl'"),
         (["--accuracy", 0.9, "--recipe", "/nonexistent.yaml"], "recipe '/nonexistent.yaml' does not exist"),
     ],
 )
@@ -169,10 +184,14 @@ def test_reuse_curve_evaluates_nothing(setup, tmp_path, monkeypatch):
     monkeypatch.setattr("kvfold.export.Evaluator", no_evaluation)
     # a stricter target that the curve can answer (accuracy ≤ 1)
     target = sorted(p.top1_ratio for p in prev.curve if p.top1_ratio <= 1)[-1]
-    result = _export(setup, second, "--accuracy", target, "--reuse-curve", first)
+    result = _export(setup, second, "--accuracy", target, "--metric", "top1", "--reuse-curve", first)
     assert result.exit_code == 0, result.output
     m = Manifest.load(second)
     assert m.curve == prev.curve and m.chosen in prev.curve and m.chosen.top1_ratio >= target
-    assert m.target == f"top1>={target}"
+    assert m.target == f"top-1 ratio ≥ {target:.5g}" and m.metric == "top1"
+    # the same curve under another metric: every point carries every figure
+    by_kl = _export(setup, tmp_path / "k", "--max-kl", max(p.kl for p in prev.curve), "--reuse-curve", first)
+    assert by_kl.exit_code == 0, by_kl.output
+    assert Manifest.load(tmp_path / "k").chosen.compression == max(p.compression for p in prev.curve)
     mismatch = _export(setup, tmp_path / "c", "--accuracy", 0.8, "--method", "zack", "--reuse-curve", first)
     assert_user_error(mismatch, "was searched with a different method", tmp_path / "c")

@@ -39,11 +39,17 @@ def test_an_intact_export_passes(exported):
     report = json.loads(result.stdout)
     manifest = json.loads((exported[0] / "kvfold.json").read_text())
     assert report["ok"] and {c["name"] for c in report["checks"]} == {
-        "manifest", "files", "config", "shapes", "loads", "fidelity", "kv_bytes"}
-    # same text as the search: the served files reproduce the recorded ratio
-    assert report["metric_ratio"] == pytest.approx(manifest["chosen"]["top1_ratio"], abs=report["tolerance"])
+        "manifest", "files", "config", "shapes", "loads", f"fidelity {exported[1]}", "kv_bytes"}
+    # same text as the search: the served files reproduce the recorded ratios
+    (text,) = report["texts"]
+    assert text["top1_ratio"] == pytest.approx(manifest["chosen"]["top1_ratio"], abs=0.01)
+    assert text["ppl_ratio"] == pytest.approx(manifest["chosen"]["ppl_ratio"], abs=1e-3)
+    assert text["kl"] == pytest.approx(manifest["chosen"]["kl"], rel=1e-2) and text["kl"] > 0
+    assert 0 < text["agreement"] < 1 and text["kl_p99"] >= text["kl"]
     assert report["kv_bytes_ratio"] == pytest.approx(1 - manifest["chosen"]["compression"], abs=1e-12)
-    assert report["kv_bytes_ratio"] < 1 and report["generation"]["new_tokens"] == 32
+    gen = report["generation"]
+    assert report["kv_bytes_ratio"] < 1 and len(gen["runs"]) == 4 and gen["forced_tokens"] == 4 * 32
+    assert all(r["new_tokens"] == 32 for r in gen["runs"]) and 0 <= gen["forced_agreement"] <= 1
 
 
 def _failed(result) -> dict[str, str]:
@@ -158,3 +164,50 @@ def test_the_kv_bytes_expectation_catches_a_wrong_rank(exported):
     with torch.inference_mode():
         assert expected_kv_bytes(original(input_ids=ids, use_cache=True).past_key_values, wrong,
                                  manifest["d_v"]) != live
+
+
+def test_held_out_text_checks_the_exports_target_within_two_standard_errors(exported):
+    from kvfold.checkpoint.manifest import Manifest
+    from kvfold.plan.search import CurvePoint
+    from kvfold.verify.serving import _fidelity
+
+    m = Manifest.load(exported[0]).model_copy(update={"metric": "joint", "target_level": 0.99, "margin": 1.0})
+
+    def held_out(top1, ppl):
+        return _fidelity(m, "pydoc:eval", 16000, CurvePoint(0, 0, 0.1, top1, ppl, top1_se=0.003, ppl_se=0.004,
+                                                             kl=0.01))
+
+    assert held_out(0.992, 1.009).ok and held_out(0.985, 1.0).ok  # 0.985 + 2·0.003 ≥ 0.99
+    assert not held_out(0.983, 1.0).ok and not held_out(1.0, 1.0202).ok
+    check = held_out(0.992, 1.009)
+    assert check.name == "target pydoc:eval" and "perplexity ratio 1.0090 ± 0.0040" in check.detail
+    assert "mean KL 0.01000" in check.detail and "within 2 standard errors" in check.detail
+
+
+def test_an_agreement_target_checks_the_generations_and_other_text_its_target(tiny_dirs, exported, tmp_path):
+    """Export for top-1 agreement (searched on one text), verify on a second text: the held-out check is
+    the target, and the greedy generations' agreement becomes a check with its stated floor."""
+    calib = exported[0].parent / "calib"
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"Line {i}: pack my box with five dozen liquor jugs." for i in range(60)))
+    out = tmp_path / "agree"
+    result = run("export", tiny_dirs[LLAMA], "--calib", calib, "--eval-text", exported[1], "--eval-tokens", 1024,
+                 "--accuracy", 0.5, "--metric", "agree", "--multiple", 1, "--min-rank", 4, "-o", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(run("verify", out, "--eval-text", other, "--eval-text", exported[1], "--eval-tokens", 1024,
+                            "--json").stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert f"target {other}" in checks and f"fidelity {exported[1]}" in checks
+    assert "top-1 agreement" in checks[f"target {other}"]["detail"]
+    assert "generation" in checks and "agreement target 0.5" in checks["generation"]["detail"]
+    assert [t["eval_text"] for t in report["texts"]] == [str(other), str(exported[1])]
+
+
+def test_pydoc_is_a_second_domain_that_ships_with_python():
+    from kvfold.errors import KVFoldError
+    from kvfold.sources.text import resolve_text
+
+    docs = resolve_text("pydoc:eval")
+    assert len(docs) > 50 and sum(map(len, docs)) > 300_000 and resolve_text("pydoc") == docs
+    with pytest.raises(KVFoldError, match="pydoc has one: pydoc:eval"):
+        resolve_text("pydoc:dev")

@@ -65,7 +65,8 @@ def calibrate(
 @app.command()
 def export(
     model: Annotated[str, typer.Option(help="Model folder or alias.")] = "smollm2",
-    accuracy: Annotated[float, typer.Option(help="Target top-1 ratio.")] = 0.99,
+    accuracy: Annotated[float, typer.Option(help="The accuracy target A.")] = 0.99,
+    metric: Annotated[str, typer.Option(help="joint (top-1 ≥ A and perplexity ≤ 1/A), top1, ppl or agree.")] = "joint",
     method: Annotated[list[str] | None, typer.Option(help="Factor methods to compare.")] = None,
     calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens to calibrate on.")] = 16384,
     eval_tokens: Annotated[int, typer.Option(help="wiki:dev tokens the search scores on.")] = 16384,
@@ -77,7 +78,7 @@ def export(
     """Export with each method at the target; compression and held-out ratios side by side; JSON.
     zack is the papers' method as published: one removal rate for every head (eq6)."""
     report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens,
-                          margin, multiple, allocation)
+                          margin, multiple, allocation, metric)
     print(json.dumps(report, indent=2))
 
 

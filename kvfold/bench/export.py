@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from kvfold import api
 from kvfold.calib.tokens import text_sequences
-from kvfold.plan.evaluate import score_model
+from kvfold.plan.evaluate import Reference, score_model
 from kvfold.plan.recipe import Recipe
 from kvfold.rewrite.reference import load_baked, padded_forward
 from kvfold.sources.models import load_model, resolve_model
@@ -25,25 +25,26 @@ __all__ = ["bench_export"]
 
 def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: int, eval_tokens: int,
                  heldout_tokens: int, margin: float = 0.0, multiple: int = 8,
-                 allocation: str = "sensitivity") -> dict:
+                 allocation: str = "sensitivity", metric: str = "joint") -> dict:
     ref = resolve_model(model)
     heldout = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:eval"),
                              heldout_tokens, 512, seed=0)
-    base = score_model(load_model(ref), heldout)
+    reference = Reference([], [])
+    base = score_model(load_model(ref), heldout, keep=reference)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         calib = Path(tmp) / "calib"
         api.calibrate(model, calib, text="wiki:calib", tokens=calib_tokens)
         for method in methods:
             t0 = time.perf_counter()
-            recipe = Recipe(accuracy=accuracy, method=method, eval_tokens=eval_tokens, margin=margin,
+            recipe = Recipe(accuracy=accuracy, metric=metric, method=method, eval_tokens=eval_tokens, margin=margin,
                             multiple=multiple, min_rank=min(8, multiple),
                             allocation=allocation if method == "aware" else "eq6")
             result = api.export(model, calib, Path(tmp) / method, recipe)
             seconds = time.perf_counter() - t0
             baked, adapter, m = load_baked(result.output)
             with padded_forward(baked, adapter, m.d_k, m.d_v):
-                held = score_model(baked, heldout)
+                held = score_model(baked, heldout, against=reference)
             rows.append({
                 "method": method, "allocation": m.allocation, "compression_p": round(m.chosen.compression, 4),
                 "kv_bytes_fraction": round(1 - m.chosen.compression, 4),
@@ -51,11 +52,14 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
                 "search_top1_se": round(m.chosen.top1_se, 4),
                 "heldout_top1_ratio": round(held.ratio(base, "top1"), 4),
                 "heldout_top1_se": round(held.top1_ratio_se(base), 4),
-                "heldout_ppl_ratio": round(held.ratio(base, "ppl"), 4),
+                "search_ppl_ratio": round(m.chosen.ppl_ratio, 4),
+                "heldout_ppl_ratio": round(held.ratio(base, "ppl"), 4),  # ppl / ppl₀
+                "heldout_ppl_se": round(held.ppl_ratio_se(base), 4),
+                "heldout_agreement": round(held.agreement, 4), "heldout_kl": round(held.kl, 5),
                 "r": round(m.chosen.r_k, 5), "curve_points": len(m.curve), "export_s": round(seconds, 1),
             })
     return {
-        "benchmark": "export", "model": model, "target_top1_ratio": accuracy, "margin_se": margin,
+        "benchmark": "export", "model": model, "accuracy": accuracy, "metric": metric, "margin_se": margin,
         "rank_multiple": multiple,
         "calibration": "wiki:calib",
         "calib_tokens": calib_tokens, "search_text": "wiki:dev", "search_tokens": eval_tokens,

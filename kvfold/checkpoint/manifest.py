@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvfold.errors import KVFoldError
+from kvfold.plan.criteria import Target
 
 __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 
-SCHEMA_VERSION = "1.1"  # 1.1: allocation and per-layer rate multipliers (1.0 files still load)
+# 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
+# carry agreement, KL and every standard error, the target is stored as metric + level + margin.
+# Older files still load: `_upgrade` converts them.
+SCHEMA_VERSION = "1.2"
 MANIFEST_FILE = "kvfold.json"
 
 
@@ -35,12 +41,36 @@ class Calibration(_Frozen):
 
 
 class Point(_Frozen):
+    """A scored candidate (plan/search.py: CurvePoint); NaN where a figure was not measured."""
     r_k: float
     r_v: float
     compression: float
     top1_ratio: float
-    ppl_ratio: float
-    top1_se: float  # standard error of top1_ratio, paired over the evaluation windows
+    ppl_ratio: float  # ppl / ppl₀ (1.0 = the original; higher is worse)
+    top1_se: float  # standard errors, paired over the evaluation windows
+    ppl_se: float = math.nan
+    agreement: float = math.nan  # top-1 agreement with the original
+    agreement_se: float = math.nan
+    kl: float = math.nan  # mean KL(original ‖ compressed) per token, nats
+    kl_se: float = math.nan
+    kl_p99: float = math.nan
+
+
+def _upgrade(raw: dict) -> dict:
+    """A 1.0/1.1 manifest in 1.2 terms: ppl ratios inverted, the target string parsed into its parts."""
+    if raw.get("schema_version") not in ("1.0", "1.1"):
+        return raw
+    raw = dict(raw)
+
+    def point(p):
+        return {**p, "ppl_ratio": 1 / p["ppl_ratio"]} if isinstance(p, dict) and p.get("ppl_ratio") else p
+
+    raw["chosen"] = point(raw.get("chosen"))
+    raw["curve"] = [point(p) for p in raw.get("curve", [])]
+    found = re.fullmatch(r"(\w+)(?: - ([\d.]+)\*se)?>=([\d.]+)", str(raw.get("target", "")))
+    if found and found[1] != "compression":
+        raw["target_level"], raw["margin"] = float(found[3]), float(found[2] or 0.0)
+    return raw
 
 
 class Manifest(_Frozen):
@@ -52,7 +82,9 @@ class Manifest(_Frozen):
     calibration: Calibration
     method: str
     metric: str
-    target: str  # what the user asked for, e.g. "accuracy>=0.99" or "compression>=0.1"
+    target: str  # what the user asked for, in words, e.g. "top-1 ratio ≥ 0.99 and perplexity ratio ≤ 1.0101 (1 se)"
+    target_level: float | None = None  # the accuracy A (the largest mean KL for metric kl); None: compression
+    margin: float = 0.0  # standard errors every bound was checked at
     eval_text: str
     eval_tokens: int
     baseline_top1: float
@@ -74,6 +106,10 @@ class Manifest(_Frozen):
     extra_tensors: list[str]  # post-RoPE projections (RoPE models): names in the safetensors files
     files: dict[str, str] = {}  # file name -> sha256, every file of the directory but this one
 
+    def accuracy_target(self) -> Target | None:
+        """The target the search met (None when the export was made for a compression)."""
+        return None if self.target_level is None else Target(self.metric, self.target_level, self.margin)
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(), indent=2, sort_keys=True)
 
@@ -89,7 +125,7 @@ class Manifest(_Frozen):
             raise KVFoldError(f"{where} has schema version {version!r}; this kvfold reads "
                               f"{SCHEMA_VERSION.split('.')[0]}.x — upgrade kvfold or re-export")
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(_upgrade(raw))
         except ValidationError as e:
             raise KVFoldError(f"{where} is invalid ({e.error_count()} errors); re-export the model") from None
 

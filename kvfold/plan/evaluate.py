@@ -18,37 +18,84 @@ from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, batches
 from kvfold.rewrite.factors import LayerFactors
 
-__all__ = ["METRICS", "Evaluator", "Metrics", "score_model"]
+__all__ = ["METRICS", "TOP_K", "Evaluator", "Metrics", "Reference", "score_model"]
 
-METRICS = ("top1", "ppl")
+METRICS = ("top1", "ppl", "agree", "kl")
+# KL(original ‖ compressed) is computed over the original's TOP_K most likely tokens plus one bin for the
+# rest, so the original's distributions fit in memory (16K tokens × 256 × 8 bytes = 32 MiB, for any
+# vocabulary) instead of a full-vocabulary tensor per token. Merging tokens into one bin can only lower
+# a KL (data-processing inequality); on SmolLM2 the difference to the full-vocabulary KL is measured
+# in tests/test_smollm2.py.
+TOP_K = 256
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the original predicted on each window, kept to compare any later run against."""
+    top_ids: list[torch.Tensor]  # per batch [B, T, K] int32: the original's TOP_K tokens at each position
+    top_logp: list[torch.Tensor]  # per batch [B, T, K] float32: their log-probabilities
+
+
+def _ratio_se(num: tuple[float, ...], den: tuple[float, ...]) -> float:
+    """Standard error of R = Σnum/Σden, paired over windows (delta method):
+    se = sqrt(W/(W−1) · Σ_w (num_w − R·den_w)²) / Σ_w den_w. NaN with fewer than two windows."""
+    if len(num) < 2 or len(num) != len(den) or sum(den) == 0:
+        return float("nan")
+    r, w = sum(num) / sum(den), len(num)
+    return math.sqrt(w / (w - 1) * sum((a - r * b) ** 2 for a, b in zip(num, den, strict=True))) / sum(den)
 
 
 @dataclass(frozen=True)
 class Metrics:
+    """One model's scores on fixed windows. The per-window sums give paired standard errors (every
+    ratio to the original is a ratio of sums over the same windows); `agree` and `kl` exist only when
+    the run was compared with a Reference of the original."""
     top1: float  # next-token top-1 accuracy
     nll: float  # mean next-token negative log-likelihood (nats)
     tokens: int
-    correct: tuple[int, ...] = ()  # top-1 hits per text window, for paired standard errors
+    correct: tuple[int, ...] = ()  # top-1 hits per text window
+    window_tokens: tuple[int, ...] = ()  # scored tokens per window
+    window_nll: tuple[float, ...] = ()  # NLL sum per window
+    window_agree: tuple[int, ...] = ()  # argmax equal to the original's, per window
+    window_kl: tuple[float, ...] = ()  # KL(original ‖ this) summed per window
+    kl_p99: float = float("nan")  # 99th percentile of the per-token KL
 
     @property
     def ppl(self) -> float:
         return math.exp(self.nll)
 
+    @property
+    def agreement(self) -> float:
+        """Fraction of positions whose top-1 token is the original's (NaN without a reference)."""
+        return sum(self.window_agree) / self.tokens if self.window_agree else float("nan")
+
+    @property
+    def kl(self) -> float:
+        """Mean KL(original ‖ this) per token, nats (NaN without a reference)."""
+        return sum(self.window_kl) / self.tokens if self.window_kl else float("nan")
+
     def ratio(self, baseline: Metrics, metric: str) -> float:
-        """Higher is better, 1.0 = the original: top1 / top1₀, or perplexity ppl₀ / ppl."""
+        """top-1: top1 / top1₀ (higher is better); ppl: ppl / ppl₀ (lower is better, as llama.cpp reports it)."""
         if metric == "ppl":
-            return baseline.ppl / self.ppl
+            return self.ppl / baseline.ppl
         return self.top1 / baseline.top1 if baseline.top1 > 0 else 1.0  # nothing to lose: ratio 1
 
     def top1_ratio_se(self, baseline: Metrics) -> float:
-        """Standard error of the top-1 ratio R = Σc/Σb, paired over the same text windows (delta method):
-        se = sqrt(W/(W−1) · Σ_w (c_w − R·b_w)²) / Σ_w b_w. It is what the ratio's last digits are worth."""
-        c, b = self.correct, baseline.correct
-        if len(c) < 2 or len(c) != len(b) or sum(b) == 0:
+        """Standard error of the top-1 ratio Σc/Σb over the same windows. It is what its last digits are worth."""
+        return _ratio_se(tuple(map(float, self.correct)), tuple(map(float, baseline.correct)))
+
+    def ppl_ratio_se(self, baseline: Metrics) -> float:
+        """ppl/ppl₀ = exp(D), D = Σ_w (nll_w − nll₀_w) / Σ_w n_w: se = ppl/ppl₀ · se(D)."""
+        if not self.window_nll or len(self.window_nll) != len(baseline.window_nll):
             return float("nan")
-        r = sum(c) / sum(b)
-        w = len(c)
-        return math.sqrt(w / (w - 1) * sum((ci - r * bi) ** 2 for ci, bi in zip(c, b, strict=True))) / sum(b)
+        diff = tuple(a - b for a, b in zip(self.window_nll, baseline.window_nll, strict=True))
+        return self.ratio(baseline, "ppl") * _ratio_se(diff, tuple(map(float, self.window_tokens)))
+
+    def agreement_se(self) -> float:
+        return _ratio_se(tuple(map(float, self.window_agree)), tuple(map(float, self.window_tokens)))
+
+    def kl_se(self) -> float:
+        return _ratio_se(self.window_kl, tuple(map(float, self.window_tokens)))
 
 
 def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch:
@@ -65,28 +112,63 @@ def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch:
 
 
 class Evaluator:
-    """Scores the original model once, then any list of per-layer factors, on fixed text windows."""
+    """Scores the original model once (keeping its predictions as the Reference), then any list of
+    per-layer factors, on fixed text windows."""
 
     def __init__(self, model: nn.Module, adapter: Adapter, windows: Sequences, batch: int = 4) -> None:
         self.model, self.adapter, self.windows, self.batch = model, adapter, windows, batch
-        self.baseline = self.score(None)
+        self.reference = Reference([], [])
+        self.baseline = score_model(model, windows, batch, keep=self.reference)
 
     def score(self, factors: list[LayerFactors] | None) -> Metrics:
         dtype = next(self.model.parameters()).dtype
         patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
         with patched(self.model, self.adapter, patches):
-            return score_model(self.model, self.windows, self.batch)
+            return score_model(self.model, self.windows, self.batch, against=self.reference)
 
 
-def score_model(model: nn.Module, windows: Sequences, batch: int = 4) -> Metrics:
-    """Next-token top-1 accuracy and mean NLL of `model` as it runs now, over every window."""
+def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against: Reference | None = None,
+                keep: Reference | None = None) -> Metrics:
+    """Next-token top-1 accuracy and NLL of `model` as it runs now, over every window; with `against`,
+    also top-1 agreement and KL divergence from that reference; with `keep`, fill it with this run's
+    predictions (the original's run, for later comparisons)."""
     hits: list[int] = []
-    nll = count = 0.0
+    nlls: list[float] = []
+    agree: list[int] = []
+    kls: list[float] = []
+    token_kl: list[torch.Tensor] = []
     with torch.inference_mode():
-        for ids in batches(windows, batch):
-            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        for b, ids in enumerate(batches(windows, batch)):
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), dim=-1)
             target = ids[:, 1:]
-            hits += (logits.argmax(-1) == target).sum(-1).tolist()
-            nll += torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="sum").item()
-            count += target.numel()
-    return Metrics(top1=sum(hits) / count, nll=nll / count, tokens=int(count), correct=tuple(hits))
+            top = logp.argmax(-1)
+            hits += (top == target).sum(-1).tolist()
+            nlls += (-logp.gather(-1, target[..., None])[..., 0]).double().sum(-1).tolist()
+            if keep is not None:
+                vals, idx = logp.topk(min(TOP_K, logp.shape[-1]), dim=-1)
+                keep.top_ids.append(idx.to(torch.int32))
+                keep.top_logp.append(vals)
+            if against is not None:
+                ref_ids, ref_logp = against.top_ids[b].long(), against.top_logp[b]
+                agree += (top == ref_ids[..., 0]).sum(-1).tolist()
+                kl = _binned_kl(ref_logp, logp.gather(-1, ref_ids))
+                kls += kl.double().sum(-1).tolist()
+                token_kl.append(kl.flatten())
+            del logp
+    sizes = tuple(len(s) - 1 for s in windows.ids)
+    count = sum(sizes)
+    p99 = torch.quantile(torch.cat(token_kl).double(), 0.99).item() if token_kl else float("nan")
+    return Metrics(top1=sum(hits) / count, nll=sum(nlls) / count, tokens=count, correct=tuple(hits),
+                   window_tokens=sizes, window_nll=tuple(nlls), window_agree=tuple(agree), window_kl=tuple(kls),
+                   kl_p99=p99)
+
+
+def _binned_kl(ref_logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(P ‖ Q) per position over the reference's top tokens plus one bin for every other token:
+    Σ_i p_i (log p_i − log q_i) + p_rest (log p_rest − log q_rest). Clamped at 0 (round-off)."""
+    p = ref_logp.exp()
+    head = (p * (ref_logp - logq)).sum(-1)
+    p_rest = (1 - p.sum(-1)).clamp_min(0)
+    q_rest = (1 - logq.exp().sum(-1)).clamp_min(1e-30)
+    tail = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-30).log() - q_rest.log()), torch.zeros_like(p_rest))
+    return (head + tail).clamp_min(0)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfold.errors import KVFoldError
+from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Metrics
 from kvfold.plan.ranks import RankPlan, RankRule
 
@@ -24,26 +25,30 @@ class CurvePoint:
     r_v: float
     compression: float
     top1_ratio: float
-    ppl_ratio: float
-    top1_se: float  # standard error of top1_ratio (paired over text windows)
+    ppl_ratio: float  # ppl / ppl₀: 1.0 = the original, higher is worse
+    top1_se: float  # standard errors, paired over the evaluation windows
+    ppl_se: float = math.nan
+    agreement: float = math.nan  # top-1 agreement with the original
+    agreement_se: float = math.nan
+    kl: float = math.nan  # mean KL(original ‖ compressed) per token, nats
+    kl_se: float = math.nan
+    kl_p99: float = math.nan
 
-    def ratio(self, metric: str, margin: float = 0.0) -> float:
-        """The metric ratio, less `margin` standard errors (top-1 only: a lower confidence bound)."""
-        if metric == "ppl":
-            return self.ppl_ratio
-        return self.top1_ratio - (margin * self.top1_se if margin else 0.0)
+    @classmethod
+    def measured(cls, r_k: float, r_v: float, compression: float, cand: Metrics, base: Metrics) -> CurvePoint:
+        return cls(r_k, r_v, compression, cand.ratio(base, "top1"), cand.ratio(base, "ppl"), cand.top1_ratio_se(base),
+                   cand.ppl_ratio_se(base), cand.agreement, cand.agreement_se(), cand.kl, cand.kl_se(), cand.kl_p99)
 
 
 def search_rate(
     plan: Callable[[RankRule], RankPlan],
     score: Callable[[RankPlan], tuple[Metrics, Metrics]],  # -> (candidate, baseline)
-    target: float,
-    metric: str,
+    target: Target,
     rule: Callable[[float], RankRule],
     r_lo: float = 1e-3,
     r_hi: float = 0.5,
     steps: int = 8,
-    margin: float = 0.0,
+    progress: Callable[[CurvePoint], None] | None = None,
 ) -> tuple[CurvePoint, list[CurvePoint]]:
     seen: dict[tuple, CurvePoint] = {}
     curve: list[CurvePoint] = []
@@ -54,36 +59,36 @@ def search_rate(
         key = (tuple(map(tuple, ranks.d_k)), tuple(map(tuple, ranks.d_v)))
         if key not in seen:
             cand, base = score(ranks)
-            seen[key] = CurvePoint(rr.r_k, rr.r_v, ranks.compression, cand.ratio(base, "top1"),
-                                   cand.ratio(base, "ppl"), cand.top1_ratio_se(base))
-        p = seen[key]
-        curve.append(CurvePoint(rr.r_k, rr.r_v, p.compression, p.top1_ratio, p.ppl_ratio, p.top1_se))
+            seen[key] = CurvePoint.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)
+            if progress is not None:
+                progress(seen[key])
+        curve.append(replace(seen[key], r_k=rr.r_k, r_v=rr.r_v))
         return curve[-1]
 
     lo, hi = point(r_lo), point(r_hi)
-    if hi.ratio(metric, margin) >= target:
+    if target.met(hi):
         return hi, curve
-    if lo.ratio(metric, margin) < target:
-        raise KVFoldError(f"accuracy {target} is not reachable: the mildest compression tried "
-                          f"(p={lo.compression:.3f}) keeps {lo.ratio(metric, margin):.4f} of the original {metric}; "
-                          f"the best reachable is {lo.ratio(metric, margin):.4f}, ask for that or less")
+    if not target.met(lo):
+        raise KVFoldError(f"the target ({target.describe()}) is not reachable: the mildest compression tried "
+                          f"(p={lo.compression:.3f}) has {target.values(lo)}; ask for less")
     a, b = math.log(r_lo), math.log(r_hi)
     for _ in range(steps):
         mid = (a + b) / 2
-        if point(math.exp(mid)).ratio(metric, margin) >= target:
+        if target.met(point(math.exp(mid))):
             a = mid
         else:
             b = mid
-    return best_point(curve, metric, target, margin), sorted(curve, key=lambda p: (p.r_k, p.r_v))
+    return best_point(curve, target), sorted(curve, key=lambda p: (p.r_k, p.r_v))
 
 
-def best_point(curve: list[CurvePoint], metric: str, target: float, margin: float = 0.0,
-               where: str = "") -> CurvePoint:
+def best_point(curve: list[CurvePoint], target: Target, where: str = "") -> CurvePoint:
     """The most compressed point meeting the target (ties: the more accurate)."""
-    if margin and metric == "top1" and any(math.isnan(p.top1_se) for p in curve):
-        raise KVFoldError(f"no standard errors {where} (one evaluation window), so no margin; pass --margin 0")
-    ok = [p for p in curve if p.ratio(metric, margin) >= target]
+    if target.needs_se() and any(math.isnan(getattr(p, b.se)) for p in curve for b in target.bounds):
+        raise KVFoldError(f"no standard errors {where} (one evaluation window, or a curve recorded before this "
+                          "metric existed), so no margin; pass --margin 0")
+    ok = [p for p in curve if target.met(p)]
     if not ok:
-        top = max(p.ratio(metric, margin) for p in curve)
-        raise KVFoldError(f"accuracy {target} is not reachable {where}: the best is {top:.4f}; ask for that or less")
-    return max(ok, key=lambda p: (p.compression, p.ratio(metric)))
+        top = max(curve, key=target.slack)
+        raise KVFoldError(f"the target ({target.describe()}) is not reachable {where}: the closest point has "
+                          f"{target.values(top)}; ask for less")
+    return max(ok, key=lambda p: (p.compression, target.slack(p)))

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 from kvfold.errors import KVFoldError
+from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
 from kvfold.plan.search import CurvePoint, search_rate
@@ -21,10 +22,9 @@ def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
     return score
 
 
-def for_accuracy(bases, evaluator: Evaluator, target: float, metric: str, rule: Callable[[float], RankRule],
-                 margin: float = 0.0) -> tuple[CurvePoint, list[CurvePoint]]:
-    return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, metric, rule,
-                       margin=margin)
+def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], RankRule],
+                 progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
+    return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, rule, progress=progress)
 
 
 def for_compression(bases, evaluator: Evaluator, target: float,
@@ -42,6 +42,5 @@ def for_compression(bases, evaluator: Evaluator, target: float,
     rr = rule(math.exp(b))
     ranks = plan_ranks(bases, rr)
     cand, base = _scorer(bases, evaluator)(ranks)
-    point = CurvePoint(rr.r_k, rr.r_v, ranks.compression, cand.ratio(base, "top1"), cand.ratio(base, "ppl"),
-                       cand.top1_ratio_se(base))
+    point = CurvePoint.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)
     return point, [point]

@@ -2,6 +2,6 @@
 manifest promises (serving.py)? Both return named checks; verify.py puts them together."""
 
 from kvfold.verify.report import Check, VerifyReport
-from kvfold.verify.verify import verify
+from kvfold.verify.verify import DEFAULT_TEXTS, verify
 
-__all__ = ["Check", "VerifyReport", "verify"]
+__all__ = ["DEFAULT_TEXTS", "Check", "VerifyReport", "verify"]

@@ -19,17 +19,16 @@ class VerifyReport:
     export: str
     checks: list[Check] = field(default_factory=list)
     against: str | None = None
-    metric: str = "top1"
-    eval_text: str | None = None
-    eval_tokens: int | None = None
-    metric_ratio: float | None = None  # exported / original on the evaluation text
-    metric_ratio_se: float | None = None
-    ppl_ratio: float | None = None
-    recorded_ratio: float | None = None  # the point chosen at export, on its own evaluation text
-    tolerance: float | None = None
+    metric: str = "joint"
+    target: str | None = None  # the export's target, in words
+    # per evaluation text: eval_text, tokens, baseline_top1/ppl, top1_ratio, ppl_ratio (ppl/ppl₀), agreement, kl,
+    # kl_p99 and their paired standard errors (*_se)
+    texts: list[dict] = field(default_factory=list)
     kv_bytes_per_token: dict[str, float] = field(default_factory=dict)  # original / exported, from live caches
     kv_bytes_ratio: float | None = None
-    expected_kv_bytes_ratio: float | None = None  # 1 − p from the manifest
+    expected_kv_bytes_ratio: float | None = None  # from the manifest's ranks and the tokens each layer holds
+    # runs: per prompt the two greedy continuations and the first differing position (None: identical);
+    # forced_agreement: the export's next token = the original's, reading the original's continuations
     generation: dict[str, object] = field(default_factory=dict)
 
     @property

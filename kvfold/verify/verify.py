@@ -6,6 +6,7 @@ from pathlib import Path
 
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
+from kvfold.sources.text import resolve_text
 from kvfold.verify.integrity import integrity_checks
 from kvfold.verify.report import VerifyReport
 from kvfold.verify.serving import serving_checks
@@ -13,7 +14,10 @@ from kvfold.verify.serving import serving_checks
 __all__ = ["verify"]
 
 
-def verify(export: Path, against: str | None = None, eval_text: str = "wiki:eval",
+DEFAULT_TEXTS = ("wiki:eval", "pydoc:eval")  # held-out text of the search's domain, and of another
+
+
+def verify(export: Path, against: str | None = None, eval_texts: list[str] | tuple[str, ...] = DEFAULT_TEXTS,
            eval_tokens: int = 16384) -> VerifyReport:
     """Raises KVFoldError for bad input (not an export, source model not found); failed checks are in
     the report."""
@@ -22,6 +26,10 @@ def verify(export: Path, against: str | None = None, eval_text: str = "wiki:eval
         raise KVFoldError(f"'{export}' is not a directory; pass the output of kvfold export")
     if eval_tokens < 2:
         raise KVFoldError("--eval-tokens must be at least 2")
+    if not eval_texts:
+        raise KVFoldError("give at least one --eval-text")
+    for text in eval_texts:
+        resolve_text(text)  # a bad name fails now, before any model loads
     manifest, checks = integrity_checks(export)
     report = VerifyReport(export=str(export), checks=checks)
     if not report.ok:
@@ -32,5 +40,5 @@ def verify(export: Path, against: str | None = None, eval_text: str = "wiki:eval
                           "pass --against MODEL")
     ref = resolve_model(spec)
     report.against = str(ref.path)
-    serving_checks(export, manifest, ref, report, eval_text, eval_tokens)
+    serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens)
     return report

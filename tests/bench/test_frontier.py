@@ -26,6 +26,17 @@ def test_compression_at_target_interpolates_to_the_first_crossing():
     assert at_target([_p(0.45, 0.999)], 0.99, _p(0.5, 0.98)) is None  # its origin already misses
 
 
+def test_the_joint_target_stops_at_whichever_bound_fails_first():
+    def q(kv, top1, ppl):
+        return Point(knob=0.0, kv_fraction=kv, top1_ratio=top1, top1_se=0.0, ppl_ratio=ppl)
+
+    pts = [q(0.9, 0.999, 1.005), q(0.8, 0.995, 1.0301)]  # top-1 holds at 0.8, perplexity does not
+    assert at_target(pts, 0.99, None) == 0.8
+    t = (1 / 0.99 - 1.005) / (1.0301 - 1.005)  # where ppl crosses 1/0.99 between 0.9 and 0.8
+    assert at_target(pts, 0.99, None, joint=True) == pytest.approx(0.9 - 0.1 * t)
+    assert at_target([q(0.9, 0.98, 1.0)], 0.99, None, joint=True) == 1.0
+
+
 def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     model = str(tiny_dirs["LlamaForCausalLM"])
     out, png = tmp_path / "f.json", tmp_path / "f.png"

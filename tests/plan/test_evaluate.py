@@ -1,8 +1,10 @@
 import math
 
+import torch
+
 from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.calib.tokens import random_sequences
-from kvfold.plan.evaluate import Evaluator, Metrics
+from kvfold.plan.evaluate import TOP_K, Evaluator, Metrics, Reference, _binned_kl, score_model
 from kvfold.rewrite.factors import get_method
 from kvfold.rewrite.weights import o_proj_heads
 from tests.conftest import VOCAB, build_tiny
@@ -35,3 +37,40 @@ def test_paired_standard_error():
     r = 196 / 200
     want = math.sqrt(4 / 3 * sum((c - r * 50) ** 2 for c in cand.correct)) / 200
     assert math.isclose(cand.top1_ratio_se(base), want)
+
+
+def test_the_original_against_its_own_reference_agrees_everywhere_with_no_kl():
+    model = build_tiny("LlamaForCausalLM")
+    windows = random_sequences(VOCAB, 256, 64, seed=2)
+    ref = Reference([], [])
+    base = score_model(model, windows, batch=2, keep=ref)
+    again = score_model(model, windows, batch=2, against=ref)
+    assert again.agreement == 1.0 and again.kl == 0.0 and again.kl_p99 == 0.0
+    assert again.ppl_ratio_se(base) == 0.0 and again.ratio(base, "ppl") == 1.0
+    assert len(ref.top_ids) == 2 and ref.top_ids[0].shape == (2, 63, min(TOP_K, VOCAB))
+
+
+def test_binned_kl_is_the_full_kl_over_the_whole_vocabulary_and_a_lower_bound_over_fewer():
+    gen = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(3, 5, 40, generator=gen) * 2, -1)
+    logq = torch.log_softmax(torch.randn(3, 5, 40, generator=gen) * 2, -1)
+    full = (logp.exp() * (logp - logq)).sum(-1)
+    vals, idx = logp.topk(40, -1)
+    assert torch.allclose(_binned_kl(vals, logq.gather(-1, idx)), full, atol=1e-6)
+    vals, idx = logp.topk(8, -1)
+    binned = _binned_kl(vals, logq.gather(-1, idx))
+    assert (binned <= full + 1e-6).all() and (binned > 0).all()
+
+
+def test_paired_standard_errors_of_perplexity_agreement_and_kl():
+    base = Metrics(top1=0.5, nll=1.0, tokens=200, correct=(50, 50), window_tokens=(100, 100),
+                   window_nll=(100.0, 100.0))
+    cand = Metrics(top1=0.5, nll=1.1, tokens=200, correct=(50, 50), window_tokens=(100, 100),
+                   window_nll=(105.0, 115.0), window_agree=(90, 96), window_kl=(2.0, 4.0))
+    assert math.isclose(cand.ratio(base, "ppl"), math.exp(0.1))
+    d = 0.1  # (5 + 15) / 200
+    want = math.exp(0.1) * math.sqrt(2 * ((5 - d * 100) ** 2 + (15 - d * 100) ** 2)) / 200
+    assert math.isclose(cand.ppl_ratio_se(base), want)
+    assert cand.agreement == 0.93 and math.isclose(cand.kl, 0.03)
+    assert math.isclose(cand.agreement_se(), math.sqrt(2 * (3.0 ** 2 + 3.0 ** 2)) / 200)
+    assert math.isclose(cand.kl_se(), math.sqrt(2 * (1.0 ** 2 + 1.0 ** 2)) / 200)

@@ -36,3 +36,15 @@ def test_unknown_keys_and_bad_yaml_are_one_line_errors(tmp_path):
     f.write_text("accuracy: [0.99\n")
     with pytest.raises(KVFoldError, match="not valid YAML"):
         load_recipe(f, {})
+
+
+def test_the_default_target_is_joint_and_max_kl_chooses_the_kl_metric():
+    r = Recipe(accuracy=0.99)
+    assert (r.metric, r.margin) == ("joint", 1.0) and r.target().describe().startswith("top-1 ratio ≥ 0.99 and")
+    r = load_recipe(None, {"max_kl": 0.01})
+    assert r.metric == "kl" and r.target().level == 0.01 and r.target().describe() == "mean KL ≤ 0.01 (1 se)"
+    assert Recipe(ratio=0.1).target() is None
+    with pytest.raises(KVFoldError, match="the kl metric takes --max-kl"):
+        load_recipe(None, {"accuracy": 0.99, "metric": "kl"})
+    with pytest.raises(KVFoldError, match="exactly one of accuracy, ratio or max_kl"):
+        load_recipe(None, {"accuracy": 0.99, "max_kl": 0.01})

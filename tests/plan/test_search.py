@@ -1,6 +1,7 @@
 import pytest
 
 from kvfold.errors import KVFoldError
+from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Metrics
 from kvfold.plan.ranks import RankPlan, RankRule
 from kvfold.plan.search import search_rate
@@ -30,19 +31,45 @@ def _smooth(ranks: RankPlan):
 
 
 def test_margin_picks_a_safer_point():
-    plain, _ = search_rate(_plan, _smooth, 0.99, "top1", lambda r: RankRule(r, r))
-    safe, _ = search_rate(_plan, _smooth, 0.99, "top1", lambda r: RankRule(r, r), margin=2.0)
+    plain, _ = search_rate(_plan, _smooth, Target("top1", 0.99), lambda r: RankRule(r, r))
+    safe, _ = search_rate(_plan, _smooth, Target("top1", 0.99, margin=2.0), lambda r: RankRule(r, r))
     assert safe.top1_se > 0 and safe.compression < plain.compression
     assert safe.top1_ratio - 2.0 * safe.top1_se >= 0.99
 
 
 def test_search_finds_the_largest_compression_meeting_the_target():
-    best, curve = search_rate(_plan, _score(0.2), 0.99, "top1", lambda r: RankRule(r, r))
+    best, curve = search_rate(_plan, _score(0.2), Target("top1", 0.99), lambda r: RankRule(r, r))
     assert best.top1_ratio >= 0.99 and 0.17 < best.compression <= 0.2
     assert max(p.compression for p in curve if p.top1_ratio >= 0.99) == best.compression
     assert [p.r_k for p in curve] == sorted(p.r_k for p in curve)
 
 
 def test_unreachable_target_says_the_best_reachable():
-    with pytest.raises(KVFoldError, match=r"not reachable.*best reachable is 0\.9000"):
-        search_rate(_plan, _score(-1.0), 0.99, "top1", lambda r: RankRule(r, r))
+    with pytest.raises(KVFoldError, match=r"not reachable.*top-1 ratio 0\.9000"):
+        search_rate(_plan, _score(-1.0), Target("top1", 0.99), lambda r: RankRule(r, r))
+
+
+def _drifting(ranks: RankPlan):
+    """Top-1 ratio stays 1 while perplexity grows 10% per 0.1 of compression: the case top-1 alone misses."""
+    p = ranks.compression
+    base = Metrics(top1=0.5, nll=2.0, tokens=100)
+    return Metrics(top1=0.5, nll=2.0 + p, tokens=100), base
+
+
+def test_the_joint_target_stops_where_perplexity_drifts_and_top1_does_not():
+    top1, _ = search_rate(_plan, _drifting, Target("top1", 0.99), lambda r: RankRule(r, r))
+    joint, _ = search_rate(_plan, _drifting, Target("joint", 0.99), lambda r: RankRule(r, r))
+    assert top1.compression == 0.5 and top1.ppl_ratio > 1.5  # top-1 never falls: the mildest-to-strongest edge
+    assert joint.ppl_ratio <= 1 / 0.99 and joint.compression < 0.02
+
+
+def test_each_metric_bounds_its_own_figure():
+    from kvfold.plan.search import CurvePoint
+
+    p = CurvePoint(0, 0, 0.1, top1_ratio=0.995, ppl_ratio=1.02, top1_se=0.002, ppl_se=0.005, agreement=0.97,
+                   agreement_se=0.01, kl=0.02, kl_se=0.001)
+    assert Target("top1", 0.99).met(p) and not Target("top1", 0.99, margin=3).met(p)
+    assert not Target("joint", 0.99).met(p) and Target("joint", 0.99).met(p, margin=-2)  # 1.02 − 2·0.005 ≤ 1.0101
+    assert Target("ppl", 0.98).met(p) and not Target("agree", 0.98).met(p) and Target("agree", 0.98).met(p, -1)
+    assert Target("kl", 0.025).met(p) and not Target("kl", 0.02, margin=1).met(p)
+    assert Target("joint", 0.99, 1).describe() == "top-1 ratio ≥ 0.99 and perplexity ratio ≤ 1.0101 (1 se)"

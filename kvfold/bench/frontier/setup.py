@@ -13,7 +13,7 @@ from kvfold import api
 from kvfold.calib.artifact import CalibStats
 from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, text_sequences
-from kvfold.plan.evaluate import Evaluator, Metrics, score_model
+from kvfold.plan.evaluate import Evaluator, Metrics, Reference, score_model
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.rewrite.factors import LayerBasis, get_method
 from kvfold.rewrite.weights import o_proj_heads
@@ -47,6 +47,7 @@ class Setup:
     model: nn.Module = field(init=False)
     windows: Sequences = field(init=False)
     baseline: Metrics = field(init=False)
+    reference: Reference = field(init=False)  # the original's predictions, for agreement and KL
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,8 @@ class Setup:
         self.seq_len = min(512, getattr(self.model.config, "max_position_embeddings", None) or 512)
         self.windows = text_sequences(self.tokenizer, resolve_text(self.eval_text), self.eval_tokens, self.seq_len,
                                       seed=0)
-        self.baseline = self.score({})
+        self.reference = Reference([], [])
+        self.baseline = score_model(self.model, self.windows, keep=self.reference)
 
     @property
     def adapter(self):
@@ -69,10 +71,11 @@ class Setup:
 
     def score(self, patches: dict[int, AttentionPatch], proj_maps: dict[tuple[int, str], ProjMap] | None = None
               ) -> Metrics:
-        """Top-1 and NLL on the held-out windows with `patches` around attention and `proj_maps` on k/v_proj."""
+        """Top-1, NLL, agreement and KL on the held-out windows with `patches` around attention and
+        `proj_maps` on k/v_proj."""
         with patched(self.model, self.adapter, patches), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
-            return score_model(self.model, self.windows)
+            return score_model(self.model, self.windows, against=self.reference)
 
     def once(self, key, build):
         if key not in self._cache:
