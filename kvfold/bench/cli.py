@@ -77,8 +77,9 @@ def export(
 ) -> None:
     """Export with each method at the target; compression and held-out ratios side by side; JSON.
     zack is the papers' method as published: one removal rate for every head (eq6)."""
-    report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens, heldout_tokens,
-                          margin, multiple, allocation, metric)
+    with user_errors():
+        report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens,
+                              heldout_tokens, margin, multiple, allocation, metric)
     print(json.dumps(report, indent=2))
 
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from kvfold import api
 from kvfold.calib.tokens import text_sequences
 from kvfold.plan.evaluate import Reference, score_model
-from kvfold.plan.recipe import Recipe
+from kvfold.plan.recipe import load_recipe
 from kvfold.rewrite.reference import load_baked, padded_forward
 from kvfold.sources.models import load_model, resolve_model
 from kvfold.sources.text import resolve_text
@@ -26,6 +26,10 @@ __all__ = ["bench_export"]
 def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: int, eval_tokens: int,
                  heldout_tokens: int, margin: float = 0.0, multiple: int = 8,
                  allocation: str = "sensitivity", metric: str = "joint") -> dict:
+    recipes = {m: load_recipe(None, dict(accuracy=accuracy, metric=metric, method=m, eval_tokens=eval_tokens,
+                                         margin=margin, multiple=multiple, min_rank=min(8, multiple),
+                                         allocation=allocation if m == "aware" else "eq6"))
+               for m in methods}  # bad options fail here, in one line, before any work
     ref = resolve_model(model)
     heldout = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:eval"),
                              heldout_tokens, 512, seed=0)
@@ -37,10 +41,7 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
         api.calibrate(model, calib, text="wiki:calib", tokens=calib_tokens)
         for method in methods:
             t0 = time.perf_counter()
-            recipe = Recipe(accuracy=accuracy, metric=metric, method=method, eval_tokens=eval_tokens, margin=margin,
-                            multiple=multiple, min_rank=min(8, multiple),
-                            allocation=allocation if method == "aware" else "eq6")
-            result = api.export(model, calib, Path(tmp) / method, recipe)
+            result = api.export(model, calib, Path(tmp) / method, recipes[method])
             seconds = time.perf_counter() - t0
             baked, adapter, m = load_baked(result.output)
             with padded_forward(baked, adapter, m.d_k, m.d_v):

@@ -22,11 +22,12 @@ __all__ = ["METRICS", "TOP_K", "Evaluator", "Metrics", "Reference", "score_model
 
 METRICS = ("top1", "ppl", "agree", "kl")
 # KL(original ‖ compressed) is computed over the original's TOP_K most likely tokens plus one bin for the
-# rest, so the original's distributions fit in memory (16K tokens × 256 × 8 bytes = 32 MiB, for any
+# rest, so the original's distributions fit in memory (16K tokens × 1024 × 8 bytes = 128 MiB, for any
 # vocabulary) instead of a full-vocabulary tensor per token. Merging tokens into one bin can only lower
-# a KL (data-processing inequality); on SmolLM2 the difference to the full-vocabulary KL is measured
-# in tests/test_smollm2.py.
-TOP_K = 256
+# a KL (data-processing inequality). Measured on SmolLM2 (tests/test_smollm2.py, its own weights in
+# bfloat16 as the perturbation): the binned KL is 76% of the full KL with 16 tokens, 95% with 256, 98%
+# with 1024.
+TOP_K = 1024
 
 
 @dataclass(frozen=True)

@@ -29,39 +29,56 @@ def pyplot():
 
 
 def draw(report: dict, path: Path) -> None:
+    """Top row: top-1 ratio (the target line at A); bottom row: perplexity ratio ppl/ppl₀ (the joint
+    target's line at 1/A), legends with the compression each method keeps at the target / the joint one."""
     plt = pyplot()
     models = report["models"]
     target = report["target_top1_ratio"]
     names = list(dict.fromkeys(r["name"] for m in models for r in m["methods"]))
     color = {n: _COLORS[i % len(_COLORS)] for i, n in enumerate(names)}
     lowest = min(p["kv_fraction"] for m in models for r in m["methods"] for p in r["points"])
-    fig, axes = plt.subplots(1, len(models), figsize=(7.5 * len(models), 7.0), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
+    fig, axes = plt.subplots(2, len(models), figsize=(7.5 * len(models), 12.5), squeeze=False)
+    for col, model in enumerate(models):
+        top, ppl = axes[0][col], axes[1][col]
         for m in model["methods"]:
             pts = sorted(m["points"], key=lambda p: -p["kv_fraction"])
-            xs, ys = [p["kv_fraction"] for p in pts], [p["top1_ratio"] for p in pts]
+            xs = [p["kv_fraction"] for p in pts]
+            ys, zs = [p["top1_ratio"] for p in pts], [p["ppl_ratio"] for p in pts]
             if m["origin"] is None and len(pts) > 1:  # every compressing sweep starts at the original
-                xs, ys = [1.0, *xs], [1.0, *ys]
+                xs, ys, zs = [1.0, *xs], [1.0, *ys], [1.0, *zs]
             bold = m["name"] in _BOLD
             style = dict(color=color[m["name"]], lw=2.6 if bold else 1.4, marker="o" if bold else "s",
-                         ls="--" if m["name"].startswith("kvfold-") else "-")
-            at = m["compression_at_target"]
-            label = f"{m['label']}: {at:.1%} saved at {target:g}" if at is not None else f"{m['label']}: not reached"
-            ax.plot(xs, ys, label=label, ms=4, **style)
-        ax.axhline(target, color="k", lw=1, ls=":")
-        ax.text(0.995, target, f" {target:g} of the original", va="bottom", ha="right", fontsize=8,
-                transform=ax.get_yaxis_transform())
-        ax.set_xlim(1.02, min(0.4, lowest - 0.03))  # more compression to the right
-        ax.set_ylim(max(0.8, min(0.95, target - 0.08)), 1.005)
-        ax.set_xlabel("KV-cache bytes per token (fraction of fp16)")
-        ax.set_ylabel(f"next-token top-1 ratio ({model['eval_tokens']} held-out tokens)")
-        ax.set_title(f"{model['model']} ({model['num_heads']} query / {model['num_kv_heads']} KV heads)")
+                         ls="--" if m["name"].startswith("kvfold-") else "-", ms=4)
+            at, joint = m["compression_at_target"], m.get("compression_at_joint_target")
+            top.plot(xs, ys, label=f"{m['label']}: " + (f"{at:.1%} saved" if at is not None else "not reached"),
+                     **style)
+            ppl.plot(xs, zs, label=f"{m['label']}: " + (f"{joint:.1%} saved" if joint is not None else "not reached"),
+                     **style)
+        _line(top, target, f" top-1 ratio {target:g}", "bottom")
+        _line(ppl, 1 / target, f" perplexity ratio {1 / target:.4f}", "top")
+        for ax in (top, ppl):
+            ax.set_xlim(1.02, min(0.4, lowest - 0.03))  # more compression to the right
+            ax.set_xlabel("KV-cache bytes per token (fraction of fp16)")
+            ax.grid(alpha=0.3)
+        top.set_ylim(max(0.8, min(0.95, target - 0.08)), 1.005)
+        ppl.set_ylim(0.995, 1 + 3 * (1 / target - 1) + 0.02)
+        top.set_ylabel(f"next-token top-1 ratio ({model['eval_tokens']} held-out tokens)")
+        ppl.set_ylabel("perplexity ratio ppl / ppl₀ (lower is better)")
+        top.set_title(f"{model['model']} ({model['num_heads']} query / {model['num_kv_heads']} KV heads): "
+                      f"saved at top-1 ≥ {target:g}", fontsize=10)
+        ppl.set_title(f"saved at the joint target: top-1 ≥ {target:g} and perplexity ratio ≤ {1 / target:.4f}",
+                      fontsize=10)
+        top.legend(fontsize=7.5, loc="lower left")
+        ppl.legend(fontsize=7.5, loc="upper left")
         notes = "\n".join(textwrap.fill(n, 110) for n in model.get("notes", []))
-        ax.text(0.0, -0.13, notes, transform=ax.transAxes, ha="left", va="top", fontsize=7.5)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7.5, loc="lower left")
+        ppl.text(0.0, -0.13, notes, transform=ppl.transAxes, ha="left", va="top", fontsize=7.5)
     fig.suptitle(f"kvfold bench frontier, {report['date']} ({report['eval_text']}, ranks rounded to "
                  f"multiples of {report['rank_multiple']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _line(ax, y: float, text: str, va: str) -> None:
+    ax.axhline(y, color="k", lw=1, ls=":")
+    ax.text(0.995, y, text, va=va, ha="right", fontsize=8, transform=ax.get_yaxis_transform())
