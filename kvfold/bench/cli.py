@@ -1,4 +1,4 @@
-"""`kvfold bench frontier|calibrate|export|memory|serve ...` (also `python -m kvfold.bench ...`): each prints or
+"""`kvfold bench frontier|kernels|calibrate|export|memory|serve ...` (also `python -m kvfold.bench ...`): each prints or
 writes JSON measured in that run."""
 
 from __future__ import annotations
@@ -46,6 +46,36 @@ def frontier(
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
                                 calib_tokens, sensitivity_tokens, multiple, json_out, png)
     err.print(frontier_table(report))
+    if json_out is None:
+        print(json.dumps(report, indent=2))
+
+
+@app.command()
+def kernels(
+    export: Annotated[Path | None, typer.Option(help="Also time the median layer of this export's widths.")] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
+    reps: Annotated[int, typer.Option(help="Timed repetitions per point (median).")] = 20,
+    smoke: Annotated[bool, typer.Option("--smoke", help="Tiny shapes on any device (CPU: TRITON_INTERPRET=1); "
+                                        "checks the command, times nothing meaningful.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
+    png: Annotated[Path | None, typer.Option(help="Draw time ratio vs p here.")] = None,
+) -> None:
+    """GPU attention time: uncompressed torch SDPA vs kvfold's Triton kernels (plain and load-balanced) vs
+    kvfold's torch path, decode B in {1, 16, 64} x S in {4K, 32K} and prefill 4K/16K, at p = 0.25 / 0.5
+    uniform and uneven (Llama-3-8B layer shapes) and an export's widths."""
+    from kvfold.bench.kernels import bench_kernels, draw
+    from kvfold.bench.outputs import check_paths, write_outputs
+
+    with user_errors():
+        check_paths(json_out, png)
+        if reps < 1:
+            raise KVFoldError("--reps must be at least 1")
+        if png is not None:
+            from kvfold.bench.frontier.plot import pyplot
+
+            pyplot()
+        report = bench_kernels(export, dtype, smoke, reps)
+        write_outputs(report, json_out, png, draw)
     if json_out is None:
         print(json.dumps(report, indent=2))
 

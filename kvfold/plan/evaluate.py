@@ -121,11 +121,12 @@ class Evaluator:
         self.reference = Reference([], [])
         self.baseline = score_model(model, windows, batch, keep=self.reference)
 
-    def score(self, factors: list[LayerFactors] | None) -> Metrics:
+    def score(self, factors: list[LayerFactors] | None, compare: bool = True) -> Metrics:
+        """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
         dtype = next(self.model.parameters()).dtype
         patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
         with patched(self.model, self.adapter, patches):
-            return score_model(self.model, self.windows, self.batch, against=self.reference)
+            return score_model(self.model, self.windows, self.batch, against=self.reference if compare else None)
 
 
 def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against: Reference | None = None,

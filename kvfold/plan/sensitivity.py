@@ -54,6 +54,6 @@ def measure_weights(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int
             if removed == 0:
                 costs[kind].append(0.0)
                 continue
-            metrics = evaluator.score(factors_for(bases, RankPlan(d_k, d_v, d)))
+            metrics = evaluator.score(factors_for(bases, RankPlan(d_k, d_v, d)), compare=False)
             costs[kind].append((metrics.nll - evaluator.baseline.nll) / removed)
     return LayerWeights(_weights(costs["k"]), _weights(costs["v"]), tuple(costs["k"]), tuple(costs["v"]))

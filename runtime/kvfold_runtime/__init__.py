@@ -3,7 +3,10 @@
 `import kvfold_runtime` registers the KVFold<Arch> classes with transformers' Auto classes, so
 `AutoModelForCausalLM.from_pretrained(EXPORTED_DIR)` returns a model whose cache stores the
 compressed keys and values. Public API: `register`, `runtime_class`, `kv_cache_bytes`, `model_dims`,
-`check_export`, `reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged`.
+`check_export`, `reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged`, `attention` (the
+dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and the Triton kernels
+`decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention` (imported on
+first use: triton is needed only where they run).
 
 `kvfold_runtime.vllm` is vLLM's plugin (entry point `vllm.general_plugins`): with this package installed,
 `vllm serve EXPORTED_DIR` and `vllm.LLM(model=EXPORTED_DIR)` serve exports from a paged cache that holds
@@ -14,10 +17,30 @@ from kvfold_runtime.cache import kv_cache_bytes
 from kvfold_runtime.dims import LayerDims, model_dims
 from kvfold_runtime.export import check_export
 from kvfold_runtime.hf import register, runtime_class, runtime_class_name
-from kvfold_runtime.kernels import paged_attention, reference_attention, sdpa_attention, write_paged
+from kvfold_runtime.kernels import (
+    attention,
+    kernels_for,
+    paged_attention,
+    reference_attention,
+    sdpa_attention,
+    write_paged,
+)
 
 __version__ = "0.1.0"
-__all__ = ["LayerDims", "check_export", "kv_cache_bytes", "model_dims", "paged_attention", "reference_attention",
-           "register", "runtime_class", "runtime_class_name", "sdpa_attention", "write_paged"]
+__all__ = ["LayerDims", "attention", "check_export", "decode_attention", "kernels_for", "kv_cache_bytes",
+           "model_dims", "paged_attention", "paged_decode_attention", "paged_prefill_attention", "prefill_attention",
+           "reference_attention", "register", "runtime_class", "runtime_class_name", "sdpa_attention", "write_paged"]
+
+_TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
+           "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill"}
+
+
+def __getattr__(name: str):
+    """The Triton kernels, imported when first asked for (PEP 562)."""
+    if name in _TRITON:
+        import importlib
+
+        return getattr(importlib.import_module(f"kvfold_runtime.kernels.{_TRITON[name]}"), name)
+    raise AttributeError(f"module 'kvfold_runtime' has no attribute {name!r}")
 
 register()

@@ -5,12 +5,10 @@ and the compression at the target), run.py (models and report), plot.py (the pic
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+from kvfold.bench.outputs import check_paths, write_outputs
 from kvfold.errors import KVFoldError
-from kvfold.io import atomic_write_text
 from kvfold.sources.models import resolve_model
 
 from .methods import get_methods
@@ -27,9 +25,7 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
     get_methods(list(methods or []))  # bad names and paths fail before any work
     for spec in models:
         resolve_model(spec)
-    for path in (json_path, png_path):
-        if path is not None and not Path(path).parent.is_dir():
-            raise KVFoldError(f"folder '{Path(path).parent}' does not exist; create it or choose another path")
+    check_paths(json_path, png_path)
     if eval_tokens < 1024:
         raise KVFoldError("--eval-tokens must be at least 1024 (two 512-token windows give a standard error)")
     if not 0.0 < target <= 1.0:
@@ -40,15 +36,5 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
         pyplot()  # a missing plotting library fails now, not after the sweep
     report = run_frontier(models, methods, target, eval_text, eval_tokens, calib_tokens, sensitivity_tokens,
                           multiple)
-    tmp = None if png_path is None else Path(png_path).with_name(f".{Path(png_path).name}.tmp.png")
-    try:
-        if tmp is not None:
-            draw(report, tmp)
-        if json_path is not None:
-            atomic_write_text(Path(json_path), json.dumps(report, indent=2) + "\n")
-        if tmp is not None:
-            os.replace(tmp, png_path)
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+    write_outputs(report, json_path, png_path, draw)
     return report

@@ -20,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 
 from kvfold_runtime.dims import LayerDims
 from kvfold_runtime.hf.families import Family
-from kvfold_runtime.kernels import sdpa_attention
+from kvfold_runtime.kernels.dispatch import attention
 
 __all__ = ["K_POST", "Q_POST", "KVFoldAttention"]
 
@@ -109,7 +109,7 @@ class KVFoldAttention(nn.Module):
                 raise ValueError("kvfold exports store packed, per-head-width keys; use the default DynamicCache "
                                  f"(got {type(layers[self.layer_idx]).__name__}: remove cache_implementation)")
             k, v = past_key_values.update(k, v, self.layer_idx)
-        out = sdpa_attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
+        out = attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
                              scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
         out = getattr(self, self.family.o_proj)(out)
         if self.family.resid_dropout:

@@ -5,8 +5,10 @@ Each kvfold layer declares itself to vLLM as *one* KV head of width Σ_g d_k (ke
 block_size × (Σd_k + Σd_v) × bytes — exactly the compressed cache, no padding — and hands this backend
 the layer's tensor [num_blocks, 1, block_size, Σd_k + Σd_v]. The true per-head attention (KV head g
 at its own widths, its `group` query heads) runs on slices of it: the layout is written down in
-kvfold_runtime.kernels.paged, the math is kvfold_runtime.kernels.paged_attention (pure torch, any
-widths, d_k ≠ d_v, prefill, decode and chunked prefill, the model's original scaling, sliding windows).
+kvfold_runtime.kernels.paged, the math is kvfold_runtime.kernels.dispatch.paged: on CUDA the Triton
+kernels (kernels/triton_decode.py, triton_prefill.py), elsewhere and for fp8 caches the torch path
+kernels.paged_attention (any widths, d_k ≠ d_v, prefill, decode and chunked prefill, the model's original
+scaling, sliding windows).
 
 The per-head widths reach the implementation through the layer (`kvfold_dims=` extra argument of
 vLLM's Attention). The cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
@@ -30,7 +32,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvfold_runtime.dims import LayerDims
-from kvfold_runtime.kernels import paged_attention, write_paged
+from kvfold_runtime.kernels import write_paged
+from kvfold_runtime.kernels.dispatch import paged
 from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["BACKEND_NAME", "KVFoldAttentionBackend"]
@@ -43,10 +46,12 @@ FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8
 @dataclass
 class KVFoldMetadata:
     num_actual_tokens: int
-    query_start_loc: torch.Tensor  # [R + 1], host copy
-    seq_lens: torch.Tensor  # [R], host copy
+    query_start_loc: torch.Tensor  # [R + 1], on the device (the Triton kernels read it there)
+    seq_lens: torch.Tensor  # [R], on the device
     block_table: torch.Tensor  # [R, max_blocks]
     slot_mapping: torch.Tensor  # [num_actual_tokens]
+    max_query_len: int  # grid sizes for the kernels, known to vLLM without a host sync
+    max_seq_len: int
 
 
 class KVFoldMetadataBuilder(AttentionMetadataBuilder[KVFoldMetadata]):
@@ -58,9 +63,9 @@ class KVFoldMetadataBuilder(AttentionMetadataBuilder[KVFoldMetadata]):
         m = common_attn_metadata
         n = m.num_reqs
         return KVFoldMetadata(num_actual_tokens=m.num_actual_tokens,
-                              query_start_loc=m.query_start_loc_cpu[:n + 1],
-                              seq_lens=m.seq_lens[:n].cpu(), block_table=m.block_table_tensor[:n],
-                              slot_mapping=m.slot_mapping[:m.num_actual_tokens])
+                              query_start_loc=m.query_start_loc[:n + 1], seq_lens=m.seq_lens[:n],
+                              block_table=m.block_table_tensor[:n], slot_mapping=m.slot_mapping[:m.num_actual_tokens],
+                              max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
 
 
 class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
@@ -102,10 +107,11 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         n = attn_metadata.num_actual_tokens
         q = query[:n].reshape(n, -1)
         out = output[:n].view(n, -1)
-        paged_attention(q, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
-                        attn_metadata.query_start_loc, self.d_k, self.d_v, self.dims.group, scaling=self.scale,
-                        sliding_window=self.sliding_window, out=out, fp8=self.fp8, k_scale=layer._k_scale_float,
-                        v_scale=layer._v_scale_float)
+        meta = attn_metadata
+        paged(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, self.d_k, self.d_v, self.dims.group,
+              scaling=self.scale, sliding_window=self.sliding_window, out=out, fp8=self.fp8,
+              k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, max_query_len=meta.max_query_len,
+              max_seq_len=meta.max_seq_len)
         return output
 
 

@@ -1,0 +1,238 @@
+"""`kvfold bench kernels`: attention time of one layer, uncompressed torch SDPA vs kvfold's Triton kernels vs
+kvfold's torch path, on the same contexts (issue 11's table).
+
+Layers: Llama-3-8B's shapes (32 query / 8 KV heads, head_dim 128) compressed to p = 0.25 and 0.5 with every
+head at the same width ("uniform") or at seeded uneven, unaligned widths of the same total ("uneven"), and
+the widths of a real export's median layer (`--export`). Decode: one new token per sequence, batch B ×
+context S; prefill: one causal sequence of T tokens. Times are CUDA-event medians; each ratio is to SDPA's
+time on the same shape in the same run, next to the ideal 1 − p (the bytes a decode reads) or the FLOP ratio
+(prefill). `--smoke` runs tiny shapes on any device (the kernels in Triton's interpreter on CPU): it checks
+the command, its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kvfold
+from kvfold.errors import KVFoldError
+
+__all__ = ["LayerWidths", "bench_kernels", "synthetic_layer"]
+
+LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+DECODE = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (64, 4096), (64, 32768)]
+PREFILL = [4096, 16384]
+SMOKE_DECODE, SMOKE_PREFILL = [(2, 96)], [48]
+
+
+@dataclass(frozen=True)
+class LayerWidths:
+    name: str
+    num_heads: int
+    head_dim: int
+    d_k: list[int]
+    d_v: list[int]
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // len(self.d_k)
+
+    @property
+    def p(self) -> float:
+        """Compression of this layer's cache: 1 − Σ(d_k + d_v) / (2·G·d)."""
+        return 1 - (sum(self.d_k) + sum(self.d_v)) / (2 * len(self.d_k) * self.head_dim)
+
+    @property
+    def flop_ratio(self) -> float:
+        """Attention FLOPs vs uncompressed: Σ_h (d_k + d_v) / (2·H·d)."""
+        return self.group * (sum(self.d_k) + sum(self.d_v)) / (2 * self.num_heads * self.head_dim)
+
+
+def synthetic_layer(p: float, uneven: bool, num_heads: int, num_kv_heads: int, head_dim: int,
+                    seed: int = 0) -> LayerWidths:
+    """Widths keeping 1 − p of a layer: equal, or seeded log-normal shares of the same total (unaligned,
+    each in [1, head_dim]), keys and values drawn separately — the spread kvfold's exports show."""
+    total = round((1 - p) * num_kv_heads * head_dim)
+    if not uneven:
+        w = [total // num_kv_heads] * num_kv_heads
+        return LayerWidths(f"uniform p={p:g}", num_heads, head_dim, w, list(w))
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw() -> list[int]:
+        share = torch.exp(torch.randn(num_kv_heads, generator=gen) * 0.5)
+        w = [min(head_dim, max(1, round(float(x)))) for x in share / share.sum() * total]
+        i = 0
+        while sum(w) != total:  # fix rounding one unit at a time, inside [1, head_dim]
+            g = i % num_kv_heads
+            step = 1 if sum(w) < total else -1
+            if 1 <= w[g] + step <= head_dim:
+                w[g] += step
+            i += 1
+        return w
+
+    return LayerWidths(f"uneven p={p:g}", num_heads, head_dim, draw(), draw())
+
+
+def _export_layer(path: Path) -> LayerWidths:
+    """The median layer (by Σ widths) of an export's manifest."""
+    import json
+
+    manifest = path / "kvfold.json"
+    if not manifest.is_file():
+        raise KVFoldError(f"--export {path} is not a kvfold export (no kvfold.json); pass an export's folder")
+    m = json.loads(manifest.read_text())
+    layers = sorted(range(len(m["d_k"])), key=lambda i: sum(m["d_k"][i]) + sum(m["d_v"][i]))
+    i = layers[len(layers) // 2]
+    return LayerWidths(f"{m['source']['spec']} export layer {i}", m["num_heads"], m["head_dim"], m["d_k"][i],
+                       m["d_v"][i])
+
+
+def _timer(device: torch.device):
+    """Median seconds of fn() after warm-up: CUDA events on a GPU, wall clock elsewhere."""
+    def run(fn, reps: int, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return run
+
+
+def _time_sdpa(rand, b: int, h: int, g: int, t: int, s: int, d: int, timed, reps: int) -> float:
+    """Uncompressed: q [B, H, T, d], k/v [B, G, S, d] with GQA, the path transformers' sdpa runs (its tensors
+    are freed on return, before the compressed ones are made)."""
+    q, k, v = rand(b, h, t, d), rand(b, g, s, d), rand(b, g, s, d)
+    return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True), reps)
+
+
+def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: int) -> dict:
+    import kvfold_runtime as rt
+
+    g, d, h = len(layer.d_k), layer.head_dim, layer.num_heads
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    scaling = d ** -0.5
+    t_sdpa = _time_sdpa(rand, b, h, g, 1, s, d, timed, reps)
+    q, k, v = rand(b, 1, layer.group * sum(layer.d_k)), rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
+    args = (q, k, v, layer.d_k, layer.d_v, layer.group)
+    row = {"kind": "decode", "layer": layer.name, "p": round(layer.p, 4), "batch": b, "context": s,
+           "sdpa_us": round(t_sdpa * 1e6, 1), "ideal_ratio": round(1 - layer.p, 4)}
+    for name, fn in (("kvfold_triton", lambda: rt.decode_attention(*args, scaling=scaling)),
+                     ("kvfold_triton_balanced", lambda: rt.decode_attention(*args, scaling=scaling, balanced=True)),
+                     ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
+        t = timed(fn, reps)
+        row[f"{name}_us"], row[f"{name}_ratio"] = round(t * 1e6, 1), round(t / t_sdpa, 3)
+    kv_bytes = b * s * (sum(layer.d_k) + sum(layer.d_v)) * q.element_size()
+    row["kvfold_triton_tb_per_s"] = round(kv_bytes / (row["kvfold_triton_us"] * 1e-6) / 1e12, 3)
+    row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
+    return row
+
+
+def _prefill_row(layer: LayerWidths, t: int, dtype, device, timed, reps: int) -> dict:
+    import kvfold_runtime as rt
+
+    g, d, h = len(layer.d_k), layer.head_dim, layer.num_heads
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    scaling = d ** -0.5
+    t_sdpa = _time_sdpa(rand, 1, h, g, t, t, d, timed, reps)
+    q, k, v = rand(1, t, layer.group * sum(layer.d_k)), rand(1, t, sum(layer.d_k)), rand(1, t, sum(layer.d_v))
+    args = (q, k, v, layer.d_k, layer.d_v, layer.group)
+    row = {"kind": "prefill", "layer": layer.name, "p": round(layer.p, 4), "tokens": t,
+           "sdpa_us": round(t_sdpa * 1e6, 1), "flop_ratio": round(layer.flop_ratio, 4)}
+    for name, fn in (("kvfold_triton", lambda: rt.prefill_attention(*args, scaling=scaling)),
+                     ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
+        tm = timed(fn, reps)
+        row[f"{name}_us"], row[f"{name}_ratio"] = round(tm * 1e6, 1), round(tm / t_sdpa, 3)
+    return row
+
+
+def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not smoke:
+        raise KVFoldError("kvfold bench kernels times GPU kernels and this machine has no CUDA device; run it on "
+                          "a GPU (or pass --smoke for a tiny functional run)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KVFoldError("--smoke without a GPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise KVFoldError(f"--dtype {dtype}: use bfloat16, float16 or float32")
+    shape = dict(num_heads=8, num_kv_heads=2, head_dim=32) if smoke else LLAMA3_8B
+    layers = [synthetic_layer(p, uneven, **shape) for p in (0.25, 0.5) for uneven in (False, True)]
+    if export is not None:
+        layers.insert(0, _export_layer(Path(export)))
+    timed = _timer(device)
+    t0 = time.perf_counter()
+    rows = []
+    for layer in layers:
+        for b, s in (SMOKE_DECODE if smoke else DECODE):
+            rows.append(_decode_row(layer, b, s, torch_dtype, device, timed, reps))
+        for t in (SMOKE_PREFILL if smoke else PREFILL):
+            rows.append(_prefill_row(layer, t, torch_dtype, device, timed, reps))
+    return {
+        "benchmark": "kernels", "date": datetime.date.today().isoformat(), "kvfold_version": kvfold.__version__,
+        "torch_version": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else
+        f"{platform.machine()} CPU (Triton interpreter: timings meaningless)", "dtype": dtype, "smoke": smoke,
+        "layers": [{"name": w.name, "num_heads": w.num_heads, "head_dim": w.head_dim, "d_k": w.d_k, "d_v": w.d_v,
+                    "p": round(w.p, 4)} for w in layers],
+        "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
+        "notes": ["ratio = time / uncompressed SDPA's time on the same shape in this run; decode's ideal is 1 − p "
+                  "(bytes read), prefill's the FLOP ratio Σ_h (d_k + d_v) / 2·H·d"],
+    }
+
+
+def draw(report: dict, path: Path) -> None:
+    """Time ratio vs p per method (decode at the longest context, prefill at the longest prompt), with the
+    1 − p line."""
+    from kvfold.bench.frontier.plot import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    for ax, kind in zip(axes, ("decode", "prefill"), strict=True):
+        rows = [r for r in report["rows"] if r["kind"] == kind]
+        longest = max(r["context" if kind == "decode" else "tokens"] for r in rows)
+        for method, marker in (("kvfold_triton", "o"), ("kvfold_triton_balanced", "^"), ("kvfold_torch", "s")):
+            pts = [(r["p"], r[f"{method}_ratio"], r) for r in rows if f"{method}_ratio" in r
+                   and r["context" if kind == "decode" else "tokens"] == longest]
+            if pts:
+                ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], marker=marker, label=method, alpha=0.7)
+        xs = [0.0, 0.6]
+        ax.plot(xs, [1 - x for x in xs], "k:", label="1 − p")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("compression p of the layer")
+        ax.set_ylabel("time / uncompressed SDPA")
+        ax.set_title(f"{kind}, {'context' if kind == 'decode' else 'prompt'} {longest} ({report['dtype']})")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"kvfold bench kernels, {report['date']}, {report['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

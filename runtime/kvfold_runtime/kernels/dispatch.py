@@ -1,0 +1,94 @@
+"""Which attention implementation runs: the Triton kernels on CUDA, the torch path everywhere else.
+
+`KVFOLD_KERNELS` chooses: `auto` (default: Triton for CUDA tensors when triton imports), `torch`, or
+`triton` (also on CPU, where Triton needs TRITON_INTERPRET=1 set before it is first imported — the tests
+run the runtime that way). Cases the kernels do not cover fall back to the torch path in every mode:
+soft-capped scores (Gemma 2), masks the kernels do not take (triton_decode.mask_problem: other dtypes, shapes,
+devices), fp8 caches, float64. The masks transformers passes (bool [B, 1, T, S], causal, left-padded or banded
+for sliding windows) go to the kernels. The torch path is kvfold_runtime.kernels.torch_sdpa / .paged; the
+layouts are paged.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvfold_runtime.kernels.paged import paged_attention
+from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
+
+__all__ = ["attention", "kernels_for", "paged"]
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _triton():
+    """The kernel modules, or None where triton does not import (a CPU-only install)."""
+    try:
+        from kvfold_runtime.kernels import triton_decode, triton_prefill
+    except ImportError:
+        return None
+    return triton_decode, triton_prefill
+
+
+def kernels_for(x: torch.Tensor) -> str:
+    """'triton' or 'torch' for a query tensor, by KVFOLD_KERNELS (see the module docstring)."""
+    mode = os.environ.get("KVFOLD_KERNELS", "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"KVFOLD_KERNELS={mode!r}: use auto, torch or triton")
+    if mode == "torch" or x.dtype not in _TRITON_DTYPES:
+        return "torch"
+    if mode == "triton" or x.is_cuda:
+        if _triton() is None:
+            if mode == "triton":
+                raise ValueError("KVFOLD_KERNELS=triton but triton does not import; pip install triton")
+            return "torch"
+        return "triton"
+    return "torch"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *,
+              scaling: float, mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The contiguous layouts (transformers' cache): reference_attention's contract. Triton decode for one
+    query token, Triton prefill for more: with no mask plain causal, aligned to the last query; with one (bool,
+    or float added to the scores, [B|1, H|1, T, ≥S]) the mask alone decides. A query row with no key to attend
+    to (left padding) gives 0 on both paths (torch's SDPA does the same)."""
+    if softcap is not None or kernels_for(q) == "torch":
+        return sdpa_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=mask, softcap=softcap)
+    decode, prefill = _triton()
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if mask is not None:
+        if not decode.supports_mask(mask, b, group * len(d_k), t, s, q.device):
+            return sdpa_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=mask)
+        mask = mask[..., :s]
+    if t == 1:
+        return decode.decode_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=mask)
+    return prefill.prefill_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=mask)
+
+
+def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+          query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
+          sliding_window: int | None = None, out: torch.Tensor | None = None, fp8: torch.dtype | None = None,
+          k_scale: float = 1.0, v_scale: float = 1.0, max_query_len: int | None = None,
+          max_seq_len: int | None = None) -> torch.Tensor:
+    """vLLM's paged cache: paged_attention's contract. On the Triton path `seq_lens` and `query_start_loc`
+    should live on the query's device and `max_query_len` / `max_seq_len` be given (vLLM knows them), so
+    a step needs no host round trip; a batch of one-token requests takes the decode kernel."""
+    if fp8 is not None or kernels_for(query) == "torch":
+        return paged_attention(query, kv, block_table, seq_lens.cpu(), query_start_loc.cpu(), d_k, d_v, group,
+                               scaling=scaling, sliding_window=sliding_window, out=out, fp8=fp8, k_scale=k_scale,
+                               v_scale=v_scale)
+    decode, prefill = _triton()
+    dev = query.device
+    seq_lens, query_start_loc = seq_lens.to(dev), query_start_loc.to(dev)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len == 1:
+        return decode.paged_decode_attention(query, kv, block_table, seq_lens, d_k, d_v, group, scaling=scaling,
+                                             sliding_window=sliding_window, max_seq_len=max_seq_len, out=out)
+    return prefill.paged_prefill_attention(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group,
+                                           scaling=scaling, sliding_window=sliding_window,
+                                           max_query_len=max_query_len, out=out)

@@ -1,0 +1,49 @@
+"""`kvfold bench kernels`: its widths, its refusal without a GPU, and a smoke run end to end (the Triton
+kernels in the interpreter on CPU: the command and its JSON/PNG, not its timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvfold.bench.kernels import synthetic_layer
+from tests.runtime.conftest import write_export
+from tests.test_cli import assert_user_error, run
+
+
+@pytest.mark.parametrize("p", [0.25, 0.5])
+def test_synthetic_layers_keep_one_minus_p_uniform_or_uneven(p):
+    for uneven in (False, True):
+        layer = synthetic_layer(p, uneven, num_heads=32, num_kv_heads=8, head_dim=128)
+        assert layer.p == pytest.approx(p, abs=1e-3) and layer.flop_ratio == pytest.approx(1 - p, abs=1e-3)
+        assert all(1 <= w <= 128 for w in layer.d_k + layer.d_v) and layer.group == 4
+        assert (len(set(layer.d_k)) > 1) == uneven and (layer.d_k != layer.d_v) == uneven
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
+    assert_user_error(run("bench", "kernels", "--json", tmp_path / "k.json"), "has no CUDA device",
+                      tmp_path / "k.json")
+    assert_user_error(run("bench", "kernels", "--json", tmp_path / "no" / "k.json"), "does not exist")
+
+
+def test_a_smoke_run_writes_json_and_png(tiny_dirs, tmp_path):
+    export = write_export("LlamaForCausalLM", tiny_dirs["LlamaForCausalLM"], tmp_path / "export", "uneven")
+    out, png = tmp_path / "k.json", tmp_path / "k.png"
+    done = subprocess.run([sys.executable, "-m", "kvfold", "bench", "kernels", "--smoke", "--reps", "1",
+                           "--export", str(export.path), "--json", str(out), "--png", str(png)],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert png.stat().st_size > 10_000 and report["smoke"] and len(report["layers"]) == 5
+    first = report["layers"][0]  # the export's median layer
+    assert first["d_k"] == export.manifest.d_k[int(first["name"].rsplit(" ", 1)[-1])]
+    decode = [r for r in report["rows"] if r["kind"] == "decode"]
+    assert len(decode) == 5 and all(r["kvfold_triton_us"] > 0 and r["kvfold_triton_balanced_ratio"] > 0
+                                    for r in decode)
+    assert {r["kind"] for r in report["rows"]} == {"decode", "prefill"}
