@@ -68,7 +68,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                               "window; raise --eval-tokens to 1024 or more, or pass --margin 0")
         if previous is None and recipe.allocation == "sensitivity":
             log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")
-        weights = _layer_weights(previous, recipe, bases, net, ref, windows)
+        weights = _layer_weights(previous, recipe, bases, net, ref, windows, log)
 
         def rule(r: float) -> RankRule:
             return RankRule(r_k=r, r_v=recipe.v_scale * r, multiple=recipe.multiple, min_rank=recipe.min_rank,
@@ -113,7 +113,8 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
     return ExportResult(manifest=manifest, output=Path(output))
 
 
-def _layer_weights(previous: Manifest | None, recipe: Recipe, bases, net, ref, windows) -> LayerWeights | None:
+def _layer_weights(previous: Manifest | None, recipe: Recipe, bases, net, ref, windows,
+                   log: Callable[[str], None]) -> LayerWeights | None:
     """Per-layer rate multipliers: recorded in a previous export, measured now, or none (eq6)."""
     if recipe.allocation == "eq6":
         return None
@@ -122,7 +123,7 @@ def _layer_weights(previous: Manifest | None, recipe: Recipe, bases, net, ref, w
                             tuple(previous.layer_cost_k), tuple(previous.layer_cost_v))
     n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
     probe = Evaluator(net, ref.adapter, Sequences(windows.ids[:n], windows.groups[:n]))
-    return measure_weights(bases, probe, recipe.min_rank)
+    return measure_weights(bases, probe, recipe.min_rank, progress=log)
 
 
 def _weight_fields(weights: LayerWeights | None) -> dict:

@@ -12,6 +12,8 @@ clipped to [1/8, 8]. The bisection on r is unchanged; w is recorded in the manif
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfold.plan.evaluate import Evaluator
@@ -40,12 +42,15 @@ def _weights(costs: list[float]) -> tuple[float, ...]:
     return tuple(min(CLIP, max(1 / CLIP, (mean / x) ** ALPHA)) for x in c)
 
 
-def measure_weights(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int) -> LayerWeights:
-    """2 × layers evaluations of `evaluator`'s windows (use a few thousand tokens)."""
+def measure_weights(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int,
+                    progress: Callable[[str], None] | None = None) -> LayerWeights:
+    """2 × layers evaluations of `evaluator`'s windows (use a few thousand tokens); `progress` gets a line
+    after each tenth of them, with the time left at the pace so far."""
     d = bases[0].qk_spectrum.shape[-1]
     full = [[d] * len(b.qk_spectrum) for b in bases]
     probe = plan_ranks(bases, RankRule(PROBE_RATE, PROBE_RATE, multiple=1, min_rank=min_rank))
     costs: dict[str, list[float]] = {"k": [], "v": []}
+    total, t0 = 2 * len(bases), time.monotonic()
     for kind in ("k", "v"):
         for layer in range(len(bases)):
             d_k, d_v = [list(r) for r in full], [list(r) for r in full]
@@ -56,4 +61,8 @@ def measure_weights(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int
                 continue
             metrics = evaluator.score(factors_for(bases, RankPlan(d_k, d_v, d)), compare=False)
             costs[kind].append((metrics.nll - evaluator.baseline.nll) / removed)
+            done = len(costs["k"]) + len(costs["v"])
+            if progress is not None and done % max(1, total // 10) == 0 and done < total:
+                left = (time.monotonic() - t0) / done * (total - done)
+                progress(f"sensitivity probes {done}/{total}, about {left:.0f} s left")
     return LayerWeights(_weights(costs["k"]), _weights(costs["v"]), tuple(costs["k"]), tuple(costs["v"]))
