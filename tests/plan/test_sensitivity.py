@@ -39,7 +39,7 @@ def test_measure_weights_scores_each_layer_and_kind_once():
     evaluator = Evaluator(model, adapter, random_sequences(VOCAB, 256, 64, seed=3))
     calls = []
     score = evaluator.score
-    evaluator.score = lambda factors: calls.append(factors) or score(factors)
+    evaluator.score = lambda factors, compare=True: calls.append(factors) or score(factors, compare)
     w = measure_weights(bases, evaluator, min_rank=1)
     assert len(calls) == 4 and len(w.k) == len(w.v) == 2
     assert all(1 / CLIP <= x <= CLIP for x in w.k + w.v)
