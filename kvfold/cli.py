@@ -11,10 +11,11 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
-from kvfold import api
 from kvfold.bench.cli import app as bench_app
 from kvfold.console import err, out, user_errors
-from kvfold.report import calib_summary, export_summary, progress_bar, spectrum_table, verify_table
+
+# kvfold.api (torch, transformers) and kvfold.report are imported inside each command, where the work starts,
+# so that `kvfold --help` and `kvfold CMD --help` answer at once.
 
 app = typer.Typer(
     help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
@@ -25,11 +26,6 @@ app = typer.Typer(
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False)])
-    # transformers' own progress bars and warnings would bury ours
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 @app.command()
@@ -49,6 +45,9 @@ def calibrate(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Measure post-RoPE Q/K, V and attention-output statistics per head (float64 Grams)."""
+    from kvfold import api
+    from kvfold.report import calib_summary, progress_bar
+
     with user_errors(), progress_bar(err) as bar:
         result = api.calibrate(model, output, source=source, text=text, tokens=tokens, seq_len=seq_len,
                                batch=batch, prune_fraction=prune, kmeans=kmeans, seed=seed, dtype=dtype,
@@ -84,6 +83,9 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
+    from kvfold import api
+    from kvfold.report import export_summary
+
     with user_errors():
         options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
@@ -106,6 +108,9 @@ def verify(
 ) -> None:
     """Check files, shapes, fidelity against the original and live KV-cache bytes. Exit 0 pass, 1 a check
     failed, 2 bad input."""
+    from kvfold import api
+    from kvfold.report import verify_table
+
     with user_errors():
         report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
                             eval_tokens=eval_tokens)
@@ -119,6 +124,9 @@ def verify(
 @app.command()
 def inspect(calib_dir: Annotated[Path, typer.Argument(help="A directory written by kvfold calibrate.")]) -> None:
     """Per layer: dims holding 90/99/99.9% of the singular-value mass of Q, K, V and attention output."""
+    from kvfold import api
+    from kvfold.report import spectrum_table
+
     with user_errors():
         header, rows = api.inspect(calib_dir)
     out.print(spectrum_table(header, rows))
@@ -127,6 +135,8 @@ def inspect(calib_dir: Annotated[Path, typer.Argument(help="A directory written 
 @app.command()
 def prepare(model: Annotated[str, typer.Argument(help="'smollm2' or a local HF model folder.")]) -> None:
     """Resolve a model (building the embedded default's cache once) and print its folder."""
+    from kvfold import api
+
     with user_errors():
         path = api.prepare(model)
     out.print(str(path))

@@ -48,9 +48,19 @@ def _reliable_ctrl_c() -> Iterator[None]:
         sys.unraisablehook = hook
 
 
+def _quiet_libraries() -> None:
+    """transformers' own progress bars and warnings would bury ours (imported here, when work starts)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Bad input and Ctrl-C end in one red line and exit code 2 (api writes outputs atomically)."""
+    """Where a command's work runs: bad input and Ctrl-C end in one red line and exit code 2 (api writes
+    outputs atomically)."""
+    _quiet_libraries()
     try:
         with _reliable_ctrl_c():
             yield

@@ -9,17 +9,12 @@ from typing import Annotated
 
 import typer
 
-from kvfold.bench.calibrate import bench_calibrate, one_point
-from kvfold.bench.export import bench_export
-from kvfold.bench.frontier import bench_frontier
-from kvfold.bench.memory import bench_memory, one_run
-from kvfold.bench.openai_server import ask_server
-from kvfold.bench.serve import bench_serve, one_engine
 from kvfold.console import err, user_errors
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_write_text
-from kvfold.report import frontier_table
 from kvfold.sources.embedded import cache_root
+
+# Each benchmark module (torch, transformers, vLLM) is imported inside its command, so --help answers at once.
 
 app = typer.Typer(help="Benchmarks: every figure measured in the run, as JSON.", add_completion=False,
                   rich_markup_mode="markdown",
@@ -42,6 +37,9 @@ def frontier(
     png: Annotated[Path | None, typer.Option(help="Draw top-1 ratio vs KV bytes here.")] = None,
 ) -> None:
     """Accuracy vs KV bytes per method (kvfold, ablations, ZACK/FDC, uniform, Palu, ThinK, fp8, kvfold+fp8)."""
+    from kvfold.bench.frontier import bench_frontier
+    from kvfold.report import frontier_table
+
     with user_errors():
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
                                 calib_tokens, sensitivity_tokens, multiple, json_out, png)
@@ -89,6 +87,8 @@ def calibrate(
     batch: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
 ) -> None:
     """Time calibration and measure its peak memory; print JSON."""
+    from kvfold.bench.calibrate import bench_calibrate
+
     print(json.dumps(bench_calibrate(model, tokens or [4096, 16384], source, seq_len, batch), indent=2))
 
 
@@ -107,6 +107,8 @@ def export(
 ) -> None:
     """Export with each method at the target; compression and held-out ratios side by side; JSON.
     zack is the papers' method as published: one removal rate for every head (eq6)."""
+    from kvfold.bench.export import bench_export
+
     with user_errors():
         report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens,
                               heldout_tokens, margin, multiple, allocation, metric)
@@ -122,6 +124,8 @@ def memory(
     batch: Annotated[int, typer.Option(help="Sequences generated together.")] = 1,
 ) -> None:
     """Peak memory of greedy generation, exported vs original, each in a fresh process; JSON."""
+    from kvfold.bench.memory import bench_memory
+
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     print(json.dumps(bench_memory(export, against, context, new_tokens, batch), indent=2))
 
@@ -140,6 +144,8 @@ def serve(
 ) -> None:
     """vLLM serving, original vs export, same KV budget: KV token capacity, peak concurrent requests,
     time and tokens/s of one fixed workload; each engine in a fresh process; JSON."""
+    from kvfold.bench.serve import bench_serve
+
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         for flag, value in (("--kv-cache-mib", kv_cache_mib), ("--requests", requests),
@@ -161,6 +167,8 @@ def openai(
 ) -> None:
     """vLLM's OpenAI-compatible server on the export (127.0.0.1, a free port): one /v1/completions and one
     /v1/chat/completions, then stopped; JSON with the answers and the seconds each step took."""
+    from kvfold.bench.openai_server import ask_server
+
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         if not (export / "kvfold.json").is_file():
@@ -171,6 +179,8 @@ def openai(
 @app.command("serve-point", hidden=True)
 def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, requests: int = 64,
                 prompt_tokens: int = 1024, new_tokens: int = 128, dtype: str = "float32", eager: bool = False) -> None:
+    from kvfold.bench.serve import one_engine
+
     result = one_engine(model, tokenizer_dir, kv_cache_bytes, requests, prompt_tokens, new_tokens, dtype, eager)
     atomic_write_text(out, json.dumps(result))
 
@@ -178,12 +188,16 @@ def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int =
 @app.command("memory-point", hidden=True)
 def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: int = 1,
                  exported: bool = False) -> None:
+    from kvfold.bench.memory import one_run
+
     print(json.dumps(one_run(model, exported, context, new_tokens, batch)))
 
 
 @app.command("calibrate-point", hidden=True)
 def calibrate_point(model: str, tokens: int = 16384, source: str = "random", seq_len: int = 512,
                     batch: int = 8) -> None:
+    from kvfold.bench.calibrate import one_point
+
     print(json.dumps(one_point(model, tokens, source, seq_len, batch)))
 
 
