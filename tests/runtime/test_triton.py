@@ -1,7 +1,7 @@
 """The Triton kernels against the reference and the paged torch path: uneven widths (1, 13, 37, d_k ≠ d_v), GQA
 groups 1, 3, 8, split contexts, contiguous and paged caches (shuffled blocks, NaN in every unused row), sliding
-windows, float32, bfloat16 and float16, balanced == plain. On CUDA when there is one, else in Triton's
-interpreter."""
+windows, masks as transformers passes them (causal, left-padded, banded, per head; bool and additive), float32,
+bfloat16 and float16, balanced == plain. On CUDA when there is one, else in Triton's interpreter."""
 
 import os
 import subprocess
@@ -61,16 +61,124 @@ def _mask(t: int, s: int, window: int | None = None) -> torch.Tensor:
 def _check(got, q, k, v, d_k, d_v, group, mask):
     """float32: within 1e-5 of the reference. bfloat16, float16: within 2e-3 of the float32 reference on the same
     inputs, plus the two roundings the contract itself makes: the softmax weights to the input dtype before they
-    meet the values (as reference_attention does) and the output, each within ROUNDING of what it rounds."""
+    meet the values (as reference_attention does) and the output, each within ROUNDING of what it rounds.
+    A query head whose mask row allows no key must give exactly 0 (as torch's SDPA; the reference averages the
+    values there) and is left out of the comparison."""
     f = [x.float() for x in (q, k, v)]
     want = reference_attention(*f, d_k, d_v, group, scaling=SCALE, mask=mask)
     err = (got.float() - want).abs()
+    if mask is not None:
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+        heads = group * len(d_k)
+        allowed = (mask[..., :s] != 0) if mask.dtype == torch.bool else (mask[..., :s] > float("-inf"))
+        some = allowed.any(-1).expand(b, heads, t)  # [B, H, T]: the query head sees at least one key
+        cols = torch.cat([some[:, h, :, None].expand(b, t, d_v[h // group]) for h in range(heads)], -1)
+        assert torch.equal(got[~cols].float(), torch.zeros_like(got[~cols].float()))
+        err = torch.where(cols, err, 0.0)
     if got.dtype == torch.float32:
         assert err.max() <= 1e-5, float(err.max())
         return
     weighted = reference_attention(f[0], f[1], f[2].abs(), d_k, d_v, group, scaling=SCALE, mask=mask)  # Σ p|v|
     excess = err - (2e-3 + ROUNDING[got.dtype] * (want.abs() + weighted))
     assert excess.max() <= 0, float(err.max())
+
+
+def _masks(kind: str, b: int, heads: int, t: int, s: int, seed: int = 0, pad: int | None = None) -> torch.Tensor:
+    """A bool mask as transformers' generate() passes one (True = attend), with 3 spare key columns (random: only the
+    first s are read), t queries being the last of the s positions:
+      causal    [1, 1, t, s+3] expanded to b (stride 0 along the batch);
+      padded    [b, 1, t, s+3], causal, the last sequence left-padded by `pad` keys (default: 5 queries, if there
+                are as many, or else 20 keys stay visible), the queries in the padding seeing nothing;
+      window    [b, 1, t, s+3], causal within a sliding window of 9;
+      per head  [b, heads, t, s+3], a different random pattern (≈ 40% allowed) for every query head."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "per head":
+        m = torch.rand(b, heads, t, s, generator=g) < 0.4
+    else:
+        m = _mask(t, s, window=9 if kind == "window" else None).cpu().expand(b, 1, t, s).clone()
+        if kind == "padded":
+            m[-1, ..., :min(s - t + 5, s - 20) if pad is None else pad] = False
+    m = torch.cat([m, torch.rand(*m.shape[:3], 3, generator=g) < 0.5], -1)
+    if kind == "causal":
+        m = m[:1].expand(b, *m.shape[1:])
+    return m.to(DEVICE)
+
+
+MASKS = ["causal", "padded", "window", "per head"]
+
+
+@kernels
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize(("widths", "group", "splits", "dtype"), [
+    ("uneven 13/1/6 vs 2/37/9", 3, 1, F32), ("uneven 13/1/6 vs 2/37/9", 3, 3, BF16), ("one head 37 vs 1", 8, 2, F32)])
+def test_decode_with_a_mask_matches_reference(kind, widths, group, splits, dtype):
+    """The mask alone decides (no seq_lens, no window): split contexts whose keys are all masked, skipped blocks."""
+    d_k, d_v = WIDTHS[widths]
+    g = torch.Generator().manual_seed(5)
+    b, s = 2, 100
+    q = _randn(b, 1, group * sum(d_k), g=g, dtype=dtype)
+    k, v = _randn(b, s, sum(d_k), g=g, dtype=dtype), _randn(b, s, sum(d_v), g=g, dtype=dtype)
+    mask = _masks(kind, b, group * len(d_k), 1, s)
+    got = triton_decode.decode_attention(q, k, v, d_k, d_v, group, scaling=SCALE, num_splits=splits, mask=mask)
+    assert got.shape == (b, 1, group * sum(d_v)) and got.dtype == dtype
+    _check(got, q, k, v, d_k, d_v, group, mask)
+    if kind == "padded" and dtype == F32:  # the same mask as additive float32 (0 / -inf), balanced grid
+        additive = torch.zeros(mask.shape, device=DEVICE).masked_fill(~mask, float("-inf"))
+        again = triton_decode.decode_attention(q, k, v, d_k, d_v, group, scaling=SCALE, num_splits=splits,
+                                               mask=additive, balanced=True, num_programs=3)
+        assert (again - got).abs().max() <= 1e-6
+
+
+@kernels
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize(("widths", "group", "t", "dtype"), [
+    ("uneven 13/1/6 vs 2/37/9", 3, 36, F32), ("uneven 13/1/6 vs 2/37/9", 1, 36, BF16), ("one head 37 vs 1", 8, 5, F32)])
+def test_prefill_with_a_mask_matches_reference(kind, widths, group, t, dtype):
+    """Left-padded query rows see no key (0 there), no key block is skipped for causality: the mask decides."""
+    d_k, d_v = WIDTHS[widths]
+    g = torch.Generator().manual_seed(6)
+    b, s = 2, 48  # two blocks of queries (t = 36) and of keys
+    q = _randn(b, t, group * sum(d_k), g=g, dtype=dtype)
+    k, v = _randn(b, s, sum(d_k), g=g, dtype=dtype), _randn(b, s, sum(d_v), g=g, dtype=dtype)
+    mask = _masks(kind, b, group * len(d_k), t, s, seed=1)
+    got = triton_prefill.prefill_attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask)
+    assert got.shape == (b, t, group * sum(d_v)) and got.dtype == dtype
+    _check(got, q, k, v, d_k, d_v, group, mask)
+    if kind == "per head" and group == 8:  # the same mask as additive bfloat16 (0 / its most negative number)
+        additive = torch.zeros(mask.shape, dtype=BF16, device=DEVICE).masked_fill(~mask, torch.finfo(BF16).min)
+        again = triton_prefill.prefill_attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=additive)
+        live = mask[..., :s].any(-1).all(1)[..., None].expand_as(got)  # fully masked rows: finite, not compared
+        assert (again - got)[live].abs().max() <= 1e-6 and again.isfinite().all()
+
+
+@kernels
+def test_the_dispatch_sends_masks_to_the_kernels(monkeypatch):
+    """A left-padded batch through kernels.dispatch.attention: the kernels run and give the torch path's results,
+    padding rows (0) included; soft-capped scores (with a mask) still take the torch path, as would a mask the
+    kernels do not take (an int mask, say: torch's SDPA refuses it too)."""
+    from kvfold_runtime.kernels import dispatch, sdpa_attention
+
+    d_k, d_v, group = [13, 1, 6], [2, 37, 9], 3
+    g = torch.Generator().manual_seed(7)
+    calls = []
+    for name in ("decode_attention", "prefill_attention"):
+        module = dispatch._triton()[name == "prefill_attention"]
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    monkeypatch.setenv("KVFOLD_KERNELS", "triton")
+    for t in (12, 1):
+        q = _randn(2, t, group * sum(d_k), g=g, dtype=F32)
+        k, v = _randn(2, 13, sum(d_k), g=g, dtype=F32), _randn(2, 13, sum(d_v), g=g, dtype=F32)
+        mask = _masks("padded", 2, 9, t, 13, pad=6)  # prefill: 5 padding queries
+        got = dispatch.attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask)
+        want = sdpa_attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask)
+        assert (got - want).abs().max() <= 1e-5
+        assert calls.pop() == ("decode_attention" if t == 1 else "prefill_attention")
+        capped = dispatch.attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask, softcap=5.0)
+        assert not calls
+        assert torch.equal(capped, sdpa_attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask, softcap=5.0))
+        assert not triton_decode.supports_mask(mask.to(torch.int32), 2, 9, t, 13, DEVICE)
 
 
 @kernels
@@ -222,6 +330,13 @@ def test_wrong_widths_are_refused_with_the_fix():
         triton_decode.decode_attention(q.double(), k.double(), v.double(), [6], [4], 2, scaling=1.0)
     with pytest.raises(ValueError, match="positive"):
         triton_prefill.prefill_attention(q[..., :8], k, v, [4, 0], [2, 2], 2, scaling=1.0)
+    mask = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="not both"):
+        triton_decode.decode_attention(q, k, v, [6], [4], 2, scaling=1.0, mask=mask, sliding_window=2)
+    with pytest.raises(ValueError, match="shape"):
+        triton_decode.decode_attention(q, k, v, [6], [4], 2, scaling=1.0, mask=mask[..., :3])
+    with pytest.raises(ValueError, match="int64"):
+        triton_prefill.prefill_attention(q, k, v, [6], [4], 2, scaling=1.0, mask=mask.long())
 
 
 def test_default_splits_fill_the_device_with_long_enough_splits():
