@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,7 +85,13 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             evaluator = Evaluator(net, ref.adapter, windows)
             if target is not None:
                 log(f"searching for {target.describe()}")
-                best, curve = for_accuracy(bases, evaluator, target, rule, progress=lambda p: log(_candidate(p)))
+                started = [time.monotonic()]
+
+                def scored(p: CurvePoint) -> None:  # one line per candidate, with what it took
+                    log(f"candidate {_candidate(p)} ({time.monotonic() - started[0]:.0f} s)")
+                    started[0] = time.monotonic()
+
+                best, curve = for_accuracy(bases, evaluator, target, rule, progress=scored)
             else:
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
