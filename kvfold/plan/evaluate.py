@@ -152,6 +152,8 @@ def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against
                 keep.top_logp.append(vals)
             if against is not None:
                 ref_ids, ref_logp = against.top_ids[b].long(), against.top_logp[b]
+                if ref_ids.shape[:2] != logp.shape[:2]:
+                    raise ValueError("score_model(against=...) must see the windows and batch size its reference saw")
                 agree += (top == ref_ids[..., 0]).sum(-1).tolist()
                 kl = _binned_kl(ref_logp, logp.gather(-1, ref_ids))
                 kls += kl.double().sum(-1).tolist()
