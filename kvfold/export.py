@@ -17,6 +17,7 @@ from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_dir
+from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
@@ -77,7 +78,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
 
         if previous is not None:
             curve = [CurvePoint(**p.model_dump()) for p in previous.curve]
-            best = _pick(curve, recipe)
+            best = _pick(curve, recipe, target)
             measured = dict(eval_text=previous.eval_text, eval_tokens=previous.eval_tokens,
                             baseline_top1=previous.baseline_top1, baseline_ppl=previous.baseline_ppl)
         else:
@@ -107,8 +108,9 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                                weights_sha256=sha),
             calibration=Calibration(source=h.options.source, text=h.options.text, tokens=h.tokens,
                                     seed=h.options.seed, stats_sha256=h.stats_sha256),
-            method=recipe.method, metric=recipe.metric, target=_target(recipe), target_level=_level(recipe),
-            margin=recipe.margin if target is not None else 0.0,
+            method=recipe.method, metric=recipe.metric,
+            target=f"compression>={recipe.ratio}" if target is None else target.describe(),
+            target_level=None if target is None else target.level, margin=0.0 if target is None else target.margin,
             rounding_multiple=recipe.multiple, min_rank=recipe.min_rank, head_dim=h.model.head_dim,
             allocation=recipe.allocation, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
@@ -140,16 +142,6 @@ def _weight_fields(weights: LayerWeights | None) -> dict:
                 layer_cost_v=list(weights.cost_v))
 
 
-def _target(recipe: Recipe) -> str:
-    target = recipe.target()
-    return f"compression>={recipe.ratio}" if target is None else target.describe()
-
-
-def _level(recipe: Recipe) -> float | None:
-    target = recipe.target()
-    return None if target is None else target.level
-
-
 def _candidate(p: CurvePoint) -> str:
     return (f"p={p.compression:.4f}: top-1 ratio {p.top1_ratio:.4f} ± {p.top1_se:.4f}, perplexity ratio "
             f"{p.ppl_ratio:.4f} ± {p.ppl_se:.4f}, agreement {p.agreement:.4f}, mean KL {p.kl:.5f}")
@@ -171,9 +163,9 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
     return prev
 
 
-def _pick(curve: list[CurvePoint], recipe: Recipe) -> CurvePoint:
-    if recipe.target() is not None:
-        return best_point(curve, recipe.target(), where="on the recorded curve")
+def _pick(curve: list[CurvePoint], recipe: Recipe, target: Target | None) -> CurvePoint:
+    if target is not None:
+        return best_point(curve, target, where="on the recorded curve")
     ok = [p for p in curve if p.compression >= recipe.ratio]
     if not ok:
         raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")

@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["TARGET_METRICS", "Bound", "Target"]
-
-TARGET_METRICS = ("joint", "top1", "ppl", "agree", "kl")
+__all__ = ["Bound", "Target"]
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, batches
 from kvfold.rewrite.factors import LayerFactors
 
-__all__ = ["METRICS", "TOP_K", "Evaluator", "Metrics", "Reference", "score_model"]
+__all__ = ["TOP_K", "Evaluator", "Metrics", "Reference", "score_model"]
 
-METRICS = ("top1", "ppl", "agree", "kl")
 # KL(original ‖ compressed) is computed over the original's TOP_K most likely tokens plus one bin for the
 # rest, so the original's distributions fit in memory (16K tokens × 1024 × 8 bytes = 128 MiB, for any
 # vocabulary) instead of a full-vocabulary tensor per token. Merging tokens into one bin can only lower
