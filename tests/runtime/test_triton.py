@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvfold_runtime import paged_attention, reference_attention, write_paged
-from kvfold_runtime.kernels import triton_decode, triton_prefill
+from kvfold_runtime.kernels import triton_common, triton_decode, triton_prefill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Without a GPU the kernels run in Triton's interpreter. TRITON_INTERPRET=1 must be set before triton is first
@@ -178,7 +178,7 @@ def test_the_dispatch_sends_masks_to_the_kernels(monkeypatch):
         capped = dispatch.attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask, softcap=5.0)
         assert not calls
         assert torch.equal(capped, sdpa_attention(q, k, v, d_k, d_v, group, scaling=SCALE, mask=mask, softcap=5.0))
-        assert not triton_decode.supports_mask(mask.to(torch.int32), 2, 9, t, 13, DEVICE)
+        assert not triton_common.supports_mask(mask.to(torch.int32), 2, 9, t, 13, DEVICE)
 
 
 @kernels
@@ -278,7 +278,7 @@ def test_balanced_equals_plain(paged):
 
 
 def test_task_order_puts_the_costliest_tasks_first():
-    heads = triton_decode.head_table([4, 60], [4, 60], DEVICE)  # KV head 1 reads 15× the bytes of head 0
+    heads = triton_common.head_table([4, 60], [4, 60], DEVICE)  # KV head 1 reads 15× the bytes of head 0
     order = triton_decode._task_order(torch.tensor([10, 300], device=DEVICE), heads, 0, 2).tolist()
     # task id (request·G + head)·splits + split; request 1's 300 keys split in whole 64-key blocks: 192 + 108
     assert order[:2] == [(1 * 2 + 1) * 2 + 0, (1 * 2 + 1) * 2 + 1]

@@ -2,7 +2,8 @@
 the paged layout that vLLM's block tables address: see kvfold_runtime.kernels.paged).
 
 reference.py is the oracle; torch_sdpa.py and paged.py the torch path (CPU, and fallbacks);
-triton_decode.py / triton_prefill.py the GPU kernels; dispatch.py picks one per call (KVFOLD_KERNELS)."""
+triton_decode.py / triton_prefill.py the GPU kernels (triton_common.py: their shared host-side checks and
+tables); dispatch.py picks one per call (KVFOLD_KERNELS)."""
 
 from kvfold_runtime.kernels.dispatch import attention, kernels_for
 from kvfold_runtime.kernels.paged import paged_attention, write_paged

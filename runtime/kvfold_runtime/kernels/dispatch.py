@@ -3,7 +3,7 @@
 `KVFOLD_KERNELS` chooses: `auto` (default: Triton for CUDA tensors when triton imports), `torch`, or
 `triton` (also on CPU, where Triton needs TRITON_INTERPRET=1 set before it is first imported — the tests
 run the runtime that way). Cases the kernels do not cover fall back to the torch path in every mode:
-soft-capped scores (Gemma 2), masks the kernels do not take (triton_decode.mask_problem: other dtypes, shapes,
+soft-capped scores (Gemma 2), masks the kernels do not take (triton_common.mask_problem: other dtypes, shapes,
 devices), fp8 caches, float64. The masks transformers passes (bool [B, 1, T, S], causal, left-padded or banded
 for sliding windows) go to the kernels. The torch path is kvfold_runtime.kernels.torch_sdpa / .paged; the
 layouts are paged.py's.
@@ -61,7 +61,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int],
     decode, prefill = _triton()
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     if mask is not None:
-        if not decode.supports_mask(mask, b, group * len(d_k), t, s, q.device):
+        from kvfold_runtime.kernels.triton_common import supports_mask  # imported with the kernels
+
+        if not supports_mask(mask, b, group * len(d_k), t, s, q.device):
             return sdpa_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=mask)
         mask = mask[..., :s]
     if t == 1:

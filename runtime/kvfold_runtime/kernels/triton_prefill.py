@@ -8,7 +8,7 @@ A batch of requests of any query lengths (query_start_loc, as vLLM describes the
 the last tokens of its sequence, so a chunked prefill attends to its whole cached prefix, causally aligned to the
 last query, optionally within a sliding window. A program owns (block of query rows, query head, request); it
 skips the key blocks that the causal mask and the window hide entirely. Tiles are sized for the widest head and
-masked per head, with offsets and widths from triton_decode.head_table.
+masked per head, with offsets and widths from triton_common.head_table.
 
 prefill_attention takes an explicit `mask` too (as transformers passes one: kvfold_runtime.kernels.masks), which
 replaces the causal / window / seq_lens masking: every key is a candidate, no key block is skipped for causality,
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfold_runtime.kernels.triton_decode import (
+from kvfold_runtime.kernels.triton_common import (
     check_paged,
     check_query,
     dot_options,
@@ -144,7 +144,7 @@ def _launch(q, k, v, out, seq_lens, starts, table, page, d_k, d_v, group, scalin
             mask=None):
     """q [T, Σ_h d_k] (requests concatenated at `starts`), out [T, Σ_h d_v]; k / v addressed as
     major·stride0 + minor·stride1 + column, (major, minor) = (request, position) or, through `table`,
-    (block, position in block). `mask`: triton_decode.mask_args' triple, or None."""
+    (block, position in block). `mask`: triton_common.mask_args' triple, or None."""
     mask_t, mask_strides, mask_bool = mask or (seq_lens, (0, 0, 0, 0), True)  # seq_lens: never read
     paged = table is not None
     if not paged:
@@ -169,7 +169,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k, d_
 
     `mask` (as transformers passes one; reference_attention's semantics) replaces all of that: bool
     [B|1, H|1, T|1, ≥S] (True = attend) or float (added to the scores), only its first S key columns read
-    (triton_decode.mask_problem lists what is taken). A query row with no key to attend to (left padding)
+    (triton_common.mask_problem lists what is taken). A query row with no key to attend to (left padding)
     gives 0, as torch's SDPA."""
     check_query(q, d_k, d_v, group)
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
