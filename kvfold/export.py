@@ -131,7 +131,7 @@ def _layer_weights(previous: Manifest | None, recipe: Recipe, bases, net, ref, w
         return LayerWeights(tuple(previous.layer_scale_k), tuple(previous.layer_scale_v),
                             tuple(previous.layer_cost_k), tuple(previous.layer_cost_v))
     n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
-    probe = Evaluator(net, ref.adapter, Sequences(windows.ids[:n], windows.groups[:n]))
+    probe = Evaluator(net, ref.adapter, Sequences(windows.ids[:n], windows.groups[:n]), replay=True, compare=False)
     return measure_weights(bases, probe, recipe.min_rank, progress=log)
 
 

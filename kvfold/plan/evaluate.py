@@ -8,6 +8,8 @@ call and o ↦ o A_v B_hᵀ after it. That is algebraically the compressed model
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -98,34 +100,82 @@ class Metrics:
         return _ratio_se(self.window_kl, tuple(map(float, self.window_tokens)))
 
 
-def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch:
-    p_qk = factors.qk_projection().to(dtype)  # [H, d, d]
-    p_o = factors.o_projection().to(dtype)
+def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch | None:
+    """The layer's projections; a side whose heads all keep every dim is left out (its projection is the
+    identity up to round-off), and a layer with nothing to project gets no patch at all."""
+    before = after = None
+    if not factors.qk_full():
+        p_qk = factors.qk_projection().to(dtype)  # [H, d, d]
 
-    def before(q, k, v):
-        return torch.einsum("bhtd,hde->bhte", q, p_qk), k, v
+        def before(q, k, v):
+            return torch.einsum("bhtd,hde->bhte", q, p_qk), k, v
 
-    def after(out):  # [B, T, H, d]
-        return torch.einsum("bthd,hde->bthe", out, p_o)
+    if not factors.v_full():
+        p_o = factors.o_projection().to(dtype)
 
-    return AttentionPatch(before=before, after=after)
+        def after(out):  # [B, T, H, d]
+            return torch.einsum("bthd,hde->bthe", out, p_o)
+
+    return None if before is None and after is None else AttentionPatch(before=before, after=after)
 
 
 class Evaluator:
     """Scores the original model once (keeping its predictions as the Reference), then any list of
-    per-layer factors, on fixed text windows."""
+    per-layer factors, on fixed text windows.
 
-    def __init__(self, model: nn.Module, adapter: Adapter, windows: Sequences, batch: int = 4) -> None:
+    With `replay=True` the original's output of every decoder layer is kept too (layers × tokens × hidden
+    values: use it on a few thousand tokens), and a candidate that leaves layers 0..l−1 untouched starts at
+    layer l from those outputs instead of recomputing them: the sensitivity probes, which compress one
+    layer each, then cost about half a forward pass on average. `compare=False` keeps no Reference (the
+    probes need top-1 and NLL only)."""
+
+    def __init__(self, model: nn.Module, adapter: Adapter, windows: Sequences, batch: int = 4, *,
+                 replay: bool = False, compare: bool = True) -> None:
         self.model, self.adapter, self.windows, self.batch = model, adapter, windows, batch
-        self.reference = Reference([], [])
-        self.baseline = score_model(model, windows, batch, keep=self.reference)
+        self.reference = Reference([], []) if compare else None
+        self._layers = adapter.decoder_layers(model)
+        self._outputs: list[list] | None = [[] for _ in self._layers] if replay else None  # [layer][batch]
+        with _recorded(self._layers, self._outputs):
+            self.baseline = score_model(model, windows, batch, keep=self.reference)
 
     def score(self, factors: list[LayerFactors] | None, compare: bool = True) -> Metrics:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
         dtype = next(self.model.parameters()).dtype
         patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
-        with patched(self.model, self.adapter, patches):
+        patches = {i: p for i, p in patches.items() if p is not None}
+        if compare and self.reference is None:
+            raise ValueError("this Evaluator keeps no reference (compare=False): score with compare=False")
+        start = min(patches, default=len(self._layers)) if self._outputs is not None else 0
+        with patched(self.model, self.adapter, patches), _replayed(self._layers[:start], self._outputs):
             return score_model(self.model, self.windows, self.batch, against=self.reference if compare else None)
+
+
+@contextmanager
+def _recorded(layers: list[nn.Module], outputs: list[list] | None) -> Iterator[None]:
+    """Append each layer's output, per batch, to outputs[layer] (nothing when outputs is None)."""
+    handles = [] if outputs is None else [
+        layer.register_forward_hook(lambda _m, _args, out, i=i: outputs[i].append(out))
+        for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _replayed(layers: list[nn.Module], outputs: list[list] | None) -> Iterator[None]:
+    """Each of `layers` returns its recorded outputs, batch after batch, instead of computing them. The
+    model's own loop still calls every layer, so nothing about its code is assumed beyond "a layer's output
+    depends only on its inputs", and a layer set this way is a plain instance attribute, removed after."""
+    for i, layer in enumerate(layers):
+        recorded = iter(outputs[i])
+        layer.forward = lambda *_args, _recorded=recorded, **_kwargs: next(_recorded)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against: Reference | None = None,

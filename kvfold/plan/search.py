@@ -65,9 +65,9 @@ def search_rate(
         curve.append(replace(seen[key], r_k=rr.r_k, r_v=rr.r_v))
         return curve[-1]
 
-    lo, hi = point(r_lo), point(r_hi)
-    if target.met(hi):
-        return hi, curve
+    # r_hi is scored only if every bisection step met the target: it almost never does, and under the
+    # monotonicity the bisection assumes, scoring it first would give the same point one candidate later.
+    lo = point(r_lo)
     if not target.met(lo):
         raise KVFoldError(f"the target ({target.describe()}) is not reachable: the mildest compression tried "
                           f"(p={lo.compression:.3f}) has {target.values(lo)}; ask for less")
@@ -78,6 +78,8 @@ def search_rate(
             a = mid
         else:
             b = mid
+    if b == math.log(r_hi) and target.met(point(r_hi)):
+        return curve[-1], sorted(curve, key=lambda p: (p.r_k, p.r_v))
     return best_point(curve, target), sorted(curve, key=lambda p: (p.r_k, p.r_v))
 
 

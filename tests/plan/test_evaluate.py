@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from kvfold.adapters import HeadLayout, get_adapter
@@ -74,3 +75,35 @@ def test_paired_standard_errors_of_perplexity_agreement_and_kl():
     assert cand.agreement == 0.93 and math.isclose(cand.kl, 0.03)
     assert math.isclose(cand.agreement_se(), math.sqrt(2 * (3.0 ** 2 + 3.0 ** 2)) / 200)
     assert math.isclose(cand.kl_se(), math.sqrt(2 * (1.0 ** 2 + 1.0 ** 2)) / 200)
+
+
+def test_replaying_the_untouched_first_layers_scores_exactly_as_running_them():
+    """The sensitivity probes compress one layer: with replay=True the layers before it return the original's
+    recorded outputs instead of running, and every figure is the same to the last bit."""
+    arch = "LlamaForCausalLM"
+    model = build_tiny(arch)
+    adapter = get_adapter(arch)
+    layout = HeadLayout.from_config(model.config)
+    stats = tiny_stats(model, arch)
+    d, g = layout.head_dim, layout.num_kv_heads
+    bases = [get_method("aware").basis(stats, i, o_proj_heads(model, adapter, i)) for i in range(layout.num_layers)]
+    windows = random_sequences(VOCAB, 256, 64, seed=4)
+    plain = Evaluator(model, adapter, windows, batch=2, compare=False)
+    replay = Evaluator(model, adapter, windows, batch=2, replay=True, compare=False)
+    assert repr(replay.baseline) == repr(plain.baseline)  # repr: exact floats, and NaN (no KL here) == NaN
+    last = layout.num_layers - 1
+    probe = [b.truncate([d] * g, [d] * g) for b in bases[:last]] + [bases[last].truncate([4] * g, [d] * g)]
+    calls = []
+    first = adapter.decoder_layers(model)[0]
+    hook = adapter.attention_modules(model)[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        got = replay.score(probe, compare=False)
+        assert calls == []  # layer 0 was replayed, not run
+        want = plain.score(probe, compare=False)
+        assert len(calls) == 2  # run once per batch
+    finally:
+        hook.remove()
+    assert repr(got) == repr(want) and got.nll > replay.baseline.nll
+    assert "forward" not in vars(first)  # the replay is undone
+    with pytest.raises(ValueError, match="compare=False"):
+        replay.score(probe)

@@ -109,7 +109,7 @@ class Setup:
         def build():
             probe = text_sequences(self.tokenizer, resolve_text("wiki:dev"), self.sensitivity_tokens, self.seq_len,
                                    seed=0)
-            return measure_weights(self.bases("aware", "text"), Evaluator(self.model, self.adapter, probe),
-                                   min_rank=min(8, self.multiple))
+            evaluator = Evaluator(self.model, self.adapter, probe, replay=True, compare=False)
+            return measure_weights(self.bases("aware", "text"), evaluator, min_rank=min(8, self.multiple))
 
         return self.once("weights", build)

@@ -68,6 +68,14 @@ class LayerFactors:
     o_b: list[torch.Tensor]  # per query head [d, d_v(g)]
     group: int
 
+    def qk_full(self) -> bool:
+        """Every KV head keeps all of its key dims (then q A_h B_gᵀ = q up to round-off)."""
+        return all(b.shape[1] == b.shape[0] for b in self.qk_b)
+
+    def v_full(self) -> bool:
+        """Every KV head keeps all of its value dims."""
+        return all(a.shape[1] == a.shape[0] for a in self.v_a)
+
     def qk_projection(self) -> torch.Tensor:
         """[H, d, d]: q ↦ q A_h B_gᵀ gives the compressed scores with uncompressed keys."""
         return torch.stack([a @ self.qk_b[h // self.group].T for h, a in enumerate(self.qk_a)])
