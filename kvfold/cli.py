@@ -65,7 +65,8 @@ def export(
     ratio: Annotated[float | None, typer.Option(help="Instead: reach this KV compression p.")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe with these options (flags override).")] = None,
     method: Annotated[str | None, typer.Option(help="aware (kvfold's, default) or zack (the papers').")] = None,
-    eval_text: Annotated[str | None, typer.Option(help="Text the search scores on [wiki:dev].")] = None,
+    eval_text: Annotated[str | None, typer.Option(
+        help="Text the search scores on; A+B mixes texts in equal shares [wiki:dev+pydoc:dev].")] = None,
     eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on [16384].")] = None,
     metric: Annotated[str | None, typer.Option(help="joint (top-1 and perplexity, default), top1, ppl, agree "
                                                "(top-1 agreement with the original) or kl.")] = None,

@@ -205,9 +205,15 @@ def test_an_agreement_target_checks_the_generations_and_other_text_its_target(ti
 
 def test_pydoc_is_a_second_domain_that_ships_with_python():
     from kvfold.errors import KVFoldError
-    from kvfold.sources.text import resolve_text
+    from kvfold.sources.text import Mixture, resolve_text
 
-    docs = resolve_text("pydoc:eval")
-    assert len(docs) > 50 and sum(map(len, docs)) > 300_000 and resolve_text("pydoc") == docs
-    with pytest.raises(KVFoldError, match="pydoc has one: pydoc:eval"):
-        resolve_text("pydoc:dev")
+    dev, evaluation = resolve_text("pydoc:dev"), resolve_text("pydoc:eval")
+    assert min(len(dev), len(evaluation)) > 30 and sum(map(len, dev + evaluation)) > 300_000
+    assert resolve_text("pydoc") == evaluation and not set(dev) & set(evaluation)
+    assert resolve_text("pydoc:eval") == evaluation  # same order every time
+    mix = resolve_text("wiki:dev+pydoc:dev")
+    assert isinstance(mix, Mixture) and mix.parts == (resolve_text("wiki:dev"), dev)
+    for bad, msg in [("pydoc:calib", "use pydoc:dev or pydoc:eval"), ("wiki:dev+", r"mixes texts as A\+B"),
+                     ("wiki:dev+wiki:dev", "each text named once")]:
+        with pytest.raises(KVFoldError, match=msg):
+            resolve_text(bad)

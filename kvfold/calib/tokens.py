@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvfold.errors import KVFoldError
+from kvfold.sources.text import Mixture
 
 __all__ = ["Sequences", "batches", "prune", "random_sequences", "text_sequences"]
 
@@ -34,8 +35,12 @@ def random_sequences(vocab_size: int, tokens: int, seq_len: int, seed: int) -> S
     return Sequences(ids=ids, groups=[0] * len(ids))
 
 
-def text_sequences(tokenizer, docs: list[str], tokens: int, seq_len: int, seed: int) -> Sequences:
-    """Pack documents (seeded order, separated by EOS) into windows until `tokens` are collected."""
+def text_sequences(tokenizer, docs: list[str] | Mixture, tokens: int, seq_len: int, seed: int) -> Sequences:
+    """Pack documents (seeded order, separated by EOS) into windows until `tokens` are collected. A Mixture
+    of n texts gives each text an equal share of whole windows (the first texts one more when they do
+    not divide), taken in turn: window i comes from text i mod n."""
+    if isinstance(docs, Mixture):
+        return _mixed(tokenizer, docs, tokens, seq_len, seed)
     order = np.random.default_rng(seed).permutation(len(docs))
     sep = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     stream: list[int] = []
@@ -52,6 +57,27 @@ def text_sequences(tokenizer, docs: list[str], tokens: int, seq_len: int, seed: 
     full = torch.tensor(stream[:tokens], dtype=torch.long)
     ids = list(full.split(seq_len))
     groups = [doc_of[k * seq_len] for k in range(len(ids))]
+    return Sequences(ids=ids, groups=groups)
+
+
+def _mixed(tokenizer, mix: Mixture, tokens: int, seq_len: int, seed: int) -> Sequences:
+    n = len(mix.parts)
+    windows = -(-tokens // seq_len)
+    if windows < n:
+        raise KVFoldError(f"{'+'.join(mix.specs)} mixes {n} texts: give at least {n * seq_len} tokens")
+    counts = [windows // n + (i < windows % n) for i in range(n)]
+    # the last window is the short one (if any): it belongs to text (windows − 1) mod n
+    short = tokens - (windows - 1) * seq_len
+    shares = [c * seq_len - (seq_len - short if i == (windows - 1) % n else 0) for i, c in enumerate(counts)]
+    each = [text_sequences(tokenizer, docs, share, seq_len, seed)
+            for docs, share in zip(mix.parts, shares, strict=True)]
+    # groups (documents, for pruning) stay distinct across texts: text i's are offset by the documents before it
+    offsets = [sum(len(d) for d in mix.parts[:i]) for i in range(n)]
+    ids, groups = [], []
+    for k in range(windows):
+        part, j = k % n, k // n
+        ids.append(each[part].ids[j])
+        groups.append(each[part].groups[j] + offsets[part])
     return Sequences(ids=ids, groups=groups)
 
 

