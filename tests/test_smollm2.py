@@ -129,25 +129,27 @@ def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, tmp_
 
 def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     """Issues 4 and 14 — the demo's path: calibrate on wiki:calib, export at 0.99 with the default joint
-    target (searched on wiki:dev), then `kvfold verify --json` on its two default held-out texts, wiki:eval
-    and pydoc:eval, which neither step has read. On wiki:eval the target holds (point estimates). On
-    pydoc:eval it does not yet (measured 2026-11-23: top-1 ratio 0.9823 ± 0.0038, perplexity ratio 1.0535
-    ± 0.0034 — factors and ranks fitted to Wikipedia; README "Accuracy out of domain"), so that one check
-    is reported, with its figures, and not required here."""
+    target searched on the default wiki:dev+pydoc:dev, then `kvfold verify --json` on its two default
+    held-out texts, wiki:eval and pydoc:eval, which neither step has read: every check passes, so the target
+    holds on both domains (within 2 standard errors). To fit CI (2 cores) the search and verify score 4,096
+    tokens instead of 16,384 and the sensitivity probes 1,024 instead of 4,096: the standard errors double,
+    so the 1-se margin picks a milder point than the defaults; README "Accuracy out of domain" has the
+    figures of the full defaults."""
     api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=16384)
-    m = api.export("smollm2", tmp_path / "c", tmp_path / "o", Recipe(accuracy=0.99)).manifest
-    assert m.metric == "joint" and m.accuracy_target().met(m.chosen) and m.chosen.compression >= 0.06
-    done = subprocess.run([sys.executable, "-m", "kvfold", "verify", str(tmp_path / "o"), "--json"],
-                          capture_output=True, text=True)
-    assert done.returncode in (0, 1), done.stdout + done.stderr
+    recipe = Recipe(accuracy=0.99, eval_tokens=4096, sensitivity_tokens=1024)
+    m = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe).manifest
+    assert m.metric == "joint" and m.eval_text == "wiki:dev+pydoc:dev" and m.accuracy_target().met(m.chosen)
+    assert m.chosen.compression >= 0.02
+    done = subprocess.run([sys.executable, "-m", "kvfold", "verify", str(tmp_path / "o"), "--json",
+                           "--eval-tokens", "4096"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     checks = {c["name"]: c["ok"] for c in report["checks"]}
     assert set(checks) == {"manifest", "files", "config", "shapes", "loads", "target wiki:eval",
                            "target pydoc:eval", "kv_bytes"}
-    assert all(ok for name, ok in checks.items() if name != "target pydoc:eval")
     wiki, pydoc = report["texts"]
     assert (wiki["eval_text"], pydoc["eval_text"]) == ("wiki:eval", "pydoc:eval")
-    assert wiki["top1_ratio"] >= 0.99 and wiki["ppl_ratio"] <= 1 / 0.99 and wiki["kl"] > 0 and pydoc["kl"] > 0
+    assert wiki["kl"] > 0 and pydoc["kl"] > 0
     assert report["kv_bytes_ratio"] == pytest.approx(1 - m.chosen.compression, abs=1e-12)
 
 
