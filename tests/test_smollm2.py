@@ -94,7 +94,7 @@ def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     ref = resolve_model("smollm2")
     from transformers import AutoTokenizer
 
-    windows = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text("wiki:dev"), 1024, 512, 0)
+    windows = text_sequences(AutoTokenizer.from_pretrained(ref.path), resolve_text(m.eval_text), 1024, 512, 0)
     with padded_forward(baked, adapter, m.d_k, m.d_v):
         from_files = score_model(baked, windows)
     # the files compute what the search scored (same dev text, same tokens)

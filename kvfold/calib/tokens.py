@@ -38,7 +38,8 @@ def random_sequences(vocab_size: int, tokens: int, seq_len: int, seed: int) -> S
 def text_sequences(tokenizer, docs: list[str] | Mixture, tokens: int, seq_len: int, seed: int) -> Sequences:
     """Pack documents (seeded order, separated by EOS) into windows until `tokens` are collected. A Mixture
     of n texts gives each text an equal share of whole windows (the first texts one more when they do
-    not divide), taken in turn: window i comes from text i mod n."""
+    not divide), taken in turn: window i comes from text i mod n. With fewer than n windows' worth of
+    tokens, each text gives one window of tokens/n."""
     if isinstance(docs, Mixture):
         return _mixed(tokenizer, docs, tokens, seq_len, seed)
     order = np.random.default_rng(seed).permutation(len(docs))
@@ -62,9 +63,11 @@ def text_sequences(tokenizer, docs: list[str] | Mixture, tokens: int, seq_len: i
 
 def _mixed(tokenizer, mix: Mixture, tokens: int, seq_len: int, seed: int) -> Sequences:
     n = len(mix.parts)
+    if tokens < n:
+        raise KVFoldError(f"{'+'.join(mix.specs)} mixes {n} texts: give at least {n} tokens")
     windows = -(-tokens // seq_len)
-    if windows < n:
-        raise KVFoldError(f"{'+'.join(mix.specs)} mixes {n} texts: give at least {n * seq_len} tokens")
+    if windows < n:  # too few tokens for a whole window each: one shorter window per text
+        seq_len, windows = -(-tokens // n), n
     counts = [windows // n + (i < windows % n) for i in range(n)]
     # the last window is the short one (if any): it belongs to text (windows − 1) mod n
     short = tokens - (windows - 1) * seq_len
