@@ -65,8 +65,8 @@ def search_rate(
         curve.append(replace(seen[key], r_k=rr.r_k, r_v=rr.r_v))
         return curve[-1]
 
-    # r_hi is scored only if every bisection step met the target: it almost never does, and under the
-    # monotonicity the bisection assumes, scoring it first would give the same point one candidate later.
+    # r_hi is scored only if every bisection step met the target (it almost never does). Under the
+    # monotonicity the bisection assumes, scoring it first chooses the same point, at one candidate more.
     lo = point(r_lo)
     if not target.met(lo):
         raise KVFoldError(f"the target ({target.describe()}) is not reachable: the mildest compression tried "
