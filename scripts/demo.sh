@@ -12,8 +12,8 @@ mkdir -p "$OUT"
 .venv/bin/kvfold calibrate smollm2 --source text --text wiki:calib --tokens 16384 -o "$OUT/calib" --force
 .venv/bin/kvfold inspect "$OUT/calib"
 .venv/bin/kvfold export smollm2 --calib "$OUT/calib" --accuracy 0.99 -o "$OUT/SmolLM2-135M-kvfold" --force
-# verify exits 1 when a check fails (2 on bad input). On pydoc:eval, a domain that neither calibration nor
-# the search read, the 0.99 target does not hold yet (README, "Accuracy out of domain"): the demo shows
-# that table and goes on to serving.
+# verify exits 1 when a check fails (2 on bad input). On pydoc:eval (Python topics that neither calibration
+# nor the search read) the 0.99 perplexity bound does not hold yet (README, "Accuracy out of domain"): the
+# demo shows that table and goes on to serving.
 .venv/bin/kvfold verify "$OUT/SmolLM2-135M-kvfold" || [ $? -eq 1 ]
 .venv/bin/kvfold bench openai --export "$OUT/SmolLM2-135M-kvfold"

@@ -63,7 +63,8 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
         "benchmark": "export", "model": model, "accuracy": accuracy, "metric": metric, "margin_se": margin,
         "rank_multiple": multiple,
         "calibration": "wiki:calib",
-        "calib_tokens": calib_tokens, "search_text": "wiki:dev", "search_tokens": eval_tokens,
+        "calib_tokens": calib_tokens, "search_text": next(iter(recipes.values())).eval_text,
+        "search_tokens": eval_tokens,
         "heldout_text": "wiki:eval", "heldout_tokens": base.tokens, "baseline_heldout_top1": round(base.top1, 4),
         "baseline_heldout_ppl": round(base.ppl, 3), "methods": rows,
     }
