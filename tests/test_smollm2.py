@@ -86,7 +86,8 @@ def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     from kvfold.sources.models import load_model, resolve_model
 
     api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=4096)
-    result = api.export("smollm2", tmp_path / "c", tmp_path / "o", Recipe(ratio=0.05, eval_tokens=1024))
+    recipe = Recipe(ratio=0.05, eval_tokens=1024, allocation="eq6")  # the files are tested here, not the allocation
+    result = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe)
     m = result.manifest
     assert m.chosen.compression >= 0.05 and len(m.extra_tensors) == 60  # 30 layers × (q, k) post-RoPE
     baked, adapter, manifest = load_baked(tmp_path / "o")
