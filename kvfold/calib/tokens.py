@@ -68,10 +68,8 @@ def _mixed(tokenizer, mix: Mixture, tokens: int, seq_len: int, seed: int) -> Seq
     windows = -(-tokens // seq_len)
     if windows < n:  # too few tokens for a whole window each: one shorter window per text
         seq_len, windows = -(-tokens // n), n
-    counts = [windows // n + (i < windows % n) for i in range(n)]
-    # the last window is the short one (if any): it belongs to text (windows − 1) mod n
-    short = tokens - (windows - 1) * seq_len
-    shares = [c * seq_len - (seq_len - short if i == (windows - 1) % n else 0) for i, c in enumerate(counts)]
+    lengths = [min(seq_len, tokens - k * seq_len) for k in range(windows)]  # only the last may be short
+    shares = [sum(lengths[i::n]) for i in range(n)]  # window k comes from text k mod n
     each = [text_sequences(tokenizer, docs, share, seq_len, seed)
             for docs, share in zip(mix.parts, shares, strict=True)]
     # groups (documents, for pruning) stay distinct across texts: text i's are offset by the documents before it

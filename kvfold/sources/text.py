@@ -47,7 +47,7 @@ def resolve_text(spec: str) -> list[str] | Mixture:
     """Return the documents named by `spec`, in a fixed order (a Mixture for `A+B`)."""
     if "+" in spec:
         specs = tuple(part.strip() for part in spec.split("+"))
-        if any(not part or "+" in part for part in specs) or len(set(specs)) != len(specs):
+        if not all(specs) or len(set(specs)) != len(specs):
             raise KVFoldError(f"'{spec}' mixes texts as A+B with each text named once, e.g. wiki:dev+pydoc:dev")
         return Mixture(specs, tuple(resolve_text(part) for part in specs))
     if spec == "pydoc" or spec.startswith("pydoc:"):
@@ -66,19 +66,22 @@ def resolve_text(spec: str) -> list[str] | Mixture:
 def wiki_split(split: str) -> list[str]:
     module, pip_name, rel = _WIKI
     data = json.loads((package_dir(module, pip_name) / rel).read_text(encoding="utf-8"))
-    titles = sorted(t for t, v in data.items() if v.get("extract", "").strip())
-    random.Random(SPLIT_SEED).shuffle(titles)
-    lo, hi = (int(len(titles) * f) for f in SPLITS[split])
-    return [data[t]["extract"].strip() for t in titles[lo:hi]]
+    titles = _seeded_split(sorted(t for t, v in data.items() if v.get("extract", "").strip()), SPLITS[split])
+    return [data[t]["extract"].strip() for t in titles]
 
 
 def pydoc_topics(split: str) -> list[str]:
     from pydoc_data.topics import topics  # the standard library's help() texts
 
-    names = sorted(name for name in topics if topics[name].strip())
+    names = _seeded_split(sorted(name for name in topics if topics[name].strip()), PYDOC_SPLITS[split])
+    return [topics[name].strip() for name in sorted(names)]
+
+
+def _seeded_split(names: list[str], bounds: tuple[float, float]) -> list[str]:
+    """The names between the two fractions of their seeded shuffle (the same on every machine)."""
     random.Random(SPLIT_SEED).shuffle(names)
-    lo, hi = (int(len(names) * f) for f in PYDOC_SPLITS[split])
-    return [topics[name].strip() for name in sorted(names[lo:hi])]
+    lo, hi = (int(len(names) * f) for f in bounds)
+    return names[lo:hi]
 
 
 def _read_file(path: Path) -> list[str]:
