@@ -12,7 +12,7 @@ import transformers
 
 import kvfold
 from kvfold.calib.artifact import CalibStats
-from kvfold.calib.tokens import Sequences, text_sequences
+from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
@@ -65,9 +65,11 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
 
         windows = None if previous else text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512,
                                                        seed=0)
-        if windows is not None and target is not None and target.needs_se() and len(windows.ids) < 2:
-            raise KVFoldError(f"--margin needs a standard error, and {recipe.eval_text} gives one 512-token "
-                              "window; raise --eval-tokens to 1024 or more, or pass --margin 0")
+        texts = max(1, len(set(windows.parts))) if windows is not None else 1
+        if windows is not None and target is not None and target.needs_se() and len(windows.ids) < 2 * texts:
+            raise KVFoldError(f"--margin needs a standard error on each text, and {recipe.eval_text} gives fewer "
+                              f"than two 512-token windows per text; raise --eval-tokens to {1024 * texts} or "
+                              "more, or pass --margin 0")
         if previous is None and recipe.allocation == "sensitivity":
             log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")
         weights = _layer_weights(previous, recipe, bases, net, ref, windows, log)
@@ -77,7 +79,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                             layer_k=weights.k if weights else (), layer_v=weights.v if weights else ())
 
         if previous is not None:
-            curve = [CurvePoint(**p.model_dump()) for p in previous.curve]
+            curve = [CurvePoint.from_dict(p.model_dump()) for p in previous.curve]
             best = _pick(curve, recipe, target)
             measured = dict(eval_text=previous.eval_text, eval_tokens=previous.eval_tokens,
                             baseline_top1=previous.baseline_top1, baseline_ppl=previous.baseline_ppl)
@@ -89,7 +91,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                 started = [time.monotonic()]
 
                 def scored(p: CurvePoint) -> None:  # one line per candidate, with what it took
-                    log(f"candidate {_candidate(p)} ({time.monotonic() - started[0]:.0f} s)")
+                    log(f"candidate {_candidate(p, recipe.eval_text)} ({time.monotonic() - started[0]:.0f} s)")
                     started[0] = time.monotonic()
 
                 best, curve = for_accuracy(bases, evaluator, target, rule, progress=scored)
@@ -97,7 +99,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
-        log(f"chosen: {_candidate(best)}; writing the checkpoint")
+        log(f"chosen: {_candidate(best, recipe.eval_text)}; writing the checkpoint")
         ranks = plan_ranks(bases, replace(rule(best.r_k), r_v=best.r_v))
         baked = bake(net, ref.adapter, factors_for(bases, ranks))
         h = stats.header
@@ -114,7 +116,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             rounding_multiple=recipe.multiple, min_rank=recipe.min_rank, head_dim=h.model.head_dim,
             allocation=recipe.allocation, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
-            chosen=Point(**vars(best)), curve=[Point(**vars(p)) for p in curve],
+            chosen=Point.model_validate(best.to_dict()), curve=[Point.model_validate(p.to_dict()) for p in curve],
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
             **measured,
         )
@@ -131,7 +133,7 @@ def _layer_weights(previous: Manifest | None, recipe: Recipe, bases, net, ref, w
         return LayerWeights(tuple(previous.layer_scale_k), tuple(previous.layer_scale_v),
                             tuple(previous.layer_cost_k), tuple(previous.layer_cost_v))
     n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
-    probe = Evaluator(net, ref.adapter, Sequences(windows.ids[:n], windows.groups[:n]), replay=True, compare=False)
+    probe = Evaluator(net, ref.adapter, windows.head(n), replay=True, compare=False)
     return measure_weights(bases, probe, recipe.min_rank, progress=log)
 
 
@@ -142,9 +144,15 @@ def _weight_fields(weights: LayerWeights | None) -> dict:
                 layer_cost_v=list(weights.cost_v))
 
 
-def _candidate(p: CurvePoint) -> str:
-    return (f"p={p.compression:.4f}: top-1 ratio {p.top1_ratio:.4f} ± {p.top1_se:.4f}, perplexity ratio "
+def _candidate(p: CurvePoint, texts: str = "") -> str:
+    """One candidate's figures; on a mixture of texts, each text's top-1 and perplexity ratios too."""
+    line = (f"p={p.compression:.4f}: top-1 ratio {p.top1_ratio:.4f} ± {p.top1_se:.4f}, perplexity ratio "
             f"{p.ppl_ratio:.4f} ± {p.ppl_se:.4f}, agreement {p.agreement:.4f}, mean KL {p.kl:.5f}")
+    names = texts.split("+")
+    if p.parts and len(names) == len(p.parts):
+        line += "; " + ", ".join(f"{n} {q.top1_ratio:.4f} / {q.ppl_ratio:.4f} ± {q.ppl_se:.4f}"
+                                 for n, q in zip(names, p.parts, strict=True))
+    return line
 
 
 def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manifest:

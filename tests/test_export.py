@@ -46,6 +46,21 @@ def test_the_default_margin_needs_two_windows_and_is_recorded(setup, tmp_path):
     assert m.accuracy_target().met(m.chosen) and m.margin == 1.0 and m.target_level == 0.5
 
 
+def test_on_a_mixture_of_texts_the_target_holds_on_each(setup, tmp_path):
+    model, calib, text, root = setup
+    other = root / "other.txt"
+    items = (f"Item {i}: zebra, yacht, xylophone; {i * 7} waltzing vexed quails." for i in range(200))
+    other.write_text("\n\n".join(items))
+    args = ("export", model, "--calib", calib, "--eval-text", f"{text}+{other}", "--accuracy", 0.5)
+    assert_user_error(run(*args, "--eval-tokens", 1024, "-o", tmp_path / "a"), "raise --eval-tokens to 2048",
+                      tmp_path / "a")
+    result = run(*args, "--eval-tokens", 2048, "-o", tmp_path / "b")
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(tmp_path / "b")
+    assert len(m.chosen.parts) == 2 and all(len(p.parts) == 2 for p in m.curve)
+    assert all(m.accuracy_target().met(p) for p in m.chosen.parts)
+
+
 @pytest.mark.parametrize("method", ["aware", "zack"])
 def test_export_writes_a_verifiable_hf_directory(setup, tmp_path, method):
     out = tmp_path / "exported"

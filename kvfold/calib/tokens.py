@@ -7,7 +7,7 @@ tokens) so ZDC-style pruning can drop a fraction of sequences *per group*, keepi
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +22,11 @@ __all__ = ["Sequences", "batches", "prune", "random_sequences", "text_sequences"
 class Sequences:
     ids: list[torch.Tensor]  # each [L_i], int64; all L_i == seq_len except maybe the last
     groups: list[int]
+    parts: list[int] = field(default_factory=list)  # a mixture's text index per window; [] = one text
+
+    def head(self, n: int) -> Sequences:
+        """The first n windows."""
+        return Sequences(self.ids[:n], self.groups[:n], self.parts[:n])
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +84,7 @@ def _mixed(tokenizer, mix: Mixture, tokens: int, seq_len: int, seed: int) -> Seq
         part, j = k % n, k // n
         ids.append(each[part].ids[j])
         groups.append(each[part].groups[j] + offsets[part])
-    return Sequences(ids=ids, groups=groups)
+    return Sequences(ids=ids, groups=groups, parts=[k % n for k in range(windows)])
 
 
 def prune(seqs: Sequences, fraction: float, seed: int) -> Sequences:
@@ -101,7 +106,8 @@ def prune(seqs: Sequences, fraction: float, seed: int) -> Sequences:
     keep = [i for i in range(len(seqs.ids)) if i not in drop]
     if not keep:
         raise KVFoldError(f"--prune {fraction} leaves no sequence; use a smaller fraction")
-    return Sequences(ids=[seqs.ids[i] for i in keep], groups=[seqs.groups[i] for i in keep])
+    return Sequences(ids=[seqs.ids[i] for i in keep], groups=[seqs.groups[i] for i in keep],
+                     parts=[seqs.parts[i] for i in keep] if seqs.parts else [])
 
 
 def batches(seqs: Sequences, batch: int) -> Iterator[torch.Tensor]:

@@ -15,9 +15,10 @@ from kvfold.plan.criteria import Target
 __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 
 # 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
-# carry agreement, KL and every standard error, the target is stored as metric + level + margin.
+# carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
+# scored on a mixture of texts carries each text's figures (`parts`).
 # Older files still load: `_upgrade` converts them.
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 MANIFEST_FILE = "kvfold.json"
 
 
@@ -54,6 +55,7 @@ class Point(_Frozen):
     kl: float = math.nan  # mean KL(original ‖ compressed) per token, nats
     kl_se: float = math.nan
     kl_p99: float = math.nan
+    parts: list[Point] = []  # on a mixture of texts: the same figures per text (1.3; none before)
 
 
 def _upgrade(raw: dict) -> dict:

@@ -61,6 +61,26 @@ class Metrics:
     window_agree: tuple[int, ...] = ()  # argmax equal to the original's, per window
     window_kl: tuple[float, ...] = ()  # KL(original ‖ this) summed per window
     kl_p99: float = float("nan")  # 99th percentile of the per-token KL
+    window_part: tuple[int, ...] = ()  # a mixture's text index per window (calib.tokens); () = one text
+
+    @property
+    def parts(self) -> list[int]:
+        """The text indices present, when the windows came from a mixture of texts ([] otherwise)."""
+        return sorted(set(self.window_part)) if len(set(self.window_part)) > 1 else []
+
+    def part(self, index: int) -> Metrics:
+        """The same scores over the windows of one text of the mixture (no per-token KL percentile: the
+        per-token values are not kept)."""
+        keep = [w for w, p in enumerate(self.window_part) if p == index]
+
+        def pick(xs):
+            return tuple(xs[w] for w in keep) if xs else ()
+
+        tokens = sum(pick(self.window_tokens))
+        return Metrics(top1=sum(pick(self.correct)) / tokens, nll=sum(pick(self.window_nll)) / tokens,
+                       tokens=tokens, correct=pick(self.correct), window_tokens=pick(self.window_tokens),
+                       window_nll=pick(self.window_nll), window_agree=pick(self.window_agree),
+                       window_kl=pick(self.window_kl), window_part=pick(self.window_part))
 
     @property
     def ppl(self) -> float:
@@ -213,7 +233,7 @@ def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against
     p99 = torch.quantile(torch.cat(token_kl).double(), 0.99).item() if token_kl else float("nan")
     return Metrics(top1=sum(hits) / count, nll=sum(nlls) / count, tokens=count, correct=tuple(hits),
                    window_tokens=sizes, window_nll=tuple(nlls), window_agree=tuple(agree), window_kl=tuple(kls),
-                   kl_p99=p99)
+                   kl_p99=p99, window_part=tuple(windows.parts))
 
 
 def _binned_kl(ref_logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

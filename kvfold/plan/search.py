@@ -33,11 +33,24 @@ class CurvePoint:
     kl: float = math.nan  # mean KL(original ‖ compressed) per token, nats
     kl_se: float = math.nan
     kl_p99: float = math.nan
+    # Scored on a mixture of texts (e.g. wiki:dev+pydoc:dev): the same figures on each text alone, in the
+    # mixture's order. The target must hold on every one of them (plan/criteria.py).
+    parts: tuple[CurvePoint, ...] = ()
 
     @classmethod
     def measured(cls, r_k: float, r_v: float, compression: float, cand: Metrics, base: Metrics) -> CurvePoint:
+        parts = tuple(cls.measured(r_k, r_v, compression, cand.part(i), base.part(i)) for i in cand.parts)
         return cls(r_k, r_v, compression, cand.ratio(base, "top1"), cand.ratio(base, "ppl"), cand.top1_ratio_se(base),
-                   cand.ppl_ratio_se(base), cand.agreement, cand.agreement_se(), cand.kl, cand.kl_se(), cand.kl_p99)
+                   cand.ppl_ratio_se(base), cand.agreement, cand.agreement_se(), cand.kl, cand.kl_se(), cand.kl_p99,
+                   parts)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> CurvePoint:
+        """From the manifest's form (parts as a list of dicts)."""
+        return cls(**{**raw, "parts": tuple(cls.from_dict(p) for p in raw.get("parts", ()))})
+
+    def to_dict(self) -> dict:
+        return {**vars(self), "parts": [p.to_dict() for p in self.parts]}
 
 
 def search_rate(
@@ -85,7 +98,8 @@ def search_rate(
 
 def best_point(curve: list[CurvePoint], target: Target, where: str = "") -> CurvePoint:
     """The most compressed point meeting the target (ties: the more accurate)."""
-    if target.needs_se() and any(math.isnan(getattr(p, b.se)) for p in curve for b in target.bounds):
+    if target.needs_se() and any(math.isnan(getattr(q, b.se)) for p in curve for q in (p, *p.parts)
+                                 for b in target.bounds):
         raise KVFoldError(f"no standard errors {where} (one evaluation window, or a curve recorded before this "
                           "metric existed), so no margin; pass --margin 0")
     ok = [p for p in curve if target.met(p)]

@@ -64,6 +64,7 @@ def test_a_mixture_takes_equal_shares_in_alternating_windows():
     assert all(torch.equal(x, y) for x, y in zip(mix.ids[0::2], alone_a.ids, strict=True))
     assert all(torch.equal(x, y) for x, y in zip(mix.ids[1::2], alone_b.ids, strict=True))
     assert set(mix.groups[1::2]) <= set(range(10, 15)) and set(mix.groups[0::2]) <= set(range(10))
+    assert mix.parts == [0, 1, 0, 1, 0, 1] and mix.head(3).parts == [0, 1, 0] and alone_a.parts == []
     small = text_sequences(tok, Mixture(("a", "b"), (a, b)), 64, 64, seed=0)
     assert [len(s) for s in small.ids] == [32, 32] and torch.equal(small.ids[1], alone_b.ids[0][:32])
     with pytest.raises(KVFoldError, match="at least 2 tokens"):

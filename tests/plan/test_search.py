@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from kvfold.errors import KVFoldError
@@ -73,3 +75,20 @@ def test_each_metric_bounds_its_own_figure():
     assert Target("ppl", 0.98).met(p) and not Target("agree", 0.98).met(p) and Target("agree", 0.98).met(p, -1)
     assert Target("kl", 0.025).met(p) and not Target("kl", 0.02, margin=1).met(p)
     assert Target("joint", 0.99, 1).describe() == "top-1 ratio ≥ 0.99 and perplexity ratio ≤ 1.0101 (1 se)"
+
+
+def test_on_a_mixture_the_target_holds_on_each_text_not_only_on_the_pool():
+    """Four windows, texts 0 and 1 alternating: text 1's perplexity drifts, text 0's does not. Pooled the
+    ratio passes; text 1 alone fails, so the point does not meet the target."""
+    from kvfold.plan.search import CurvePoint
+
+    base = Metrics(top1=0.5, nll=2.0, tokens=400, correct=(50,) * 4, window_tokens=(100,) * 4,
+                   window_nll=(200.0,) * 4, window_part=(0, 1, 0, 1))
+    cand = Metrics(top1=0.5, nll=2.008, tokens=400, correct=(50,) * 4, window_tokens=(100,) * 4,
+                   window_nll=(200.0, 201.5, 200.0, 201.7), window_part=(0, 1, 0, 1))
+    assert cand.parts == [0, 1] and cand.part(1).tokens == 200 and cand.part(1).nll == pytest.approx(2.016)
+    point = CurvePoint.measured(0.1, 0.1, 0.2, cand, base)
+    assert [q.ppl_ratio for q in point.parts] == pytest.approx([1.0, math.exp(0.016)])
+    assert point.ppl_ratio < 1 / 0.99 < point.parts[1].ppl_ratio
+    assert not Target("joint", 0.99).met(point) and Target("joint", 0.99).met(point.parts[0])
+    assert CurvePoint.from_dict(point.to_dict()) == point

@@ -1,0 +1,137 @@
+"""The bit-band cache format: a head's rotated dims stored in contiguous bands of one bit width each.
+
+kvfold's rotations order each KV head's dims by importance, and in that basis the dims' variances span
+orders of magnitude, so (as in transform coding) dims get bits in proportion to their log-variance and a
+dropped dim is simply 0 bits. Bits therefore never increase along the dims, and equal widths form
+contiguous bands.
+
+One token row of one KV head (keys and values separately), in dim order, byte-aligned per band:
+
+    band 0 codes | band 1 codes | ...        ceil(n_b · bits_b / 8) bytes each
+    band 0 scale | band 1 scale | ...        one float16 per band of 2..8 bits
+
+- 16-bit band: the values themselves as float16 (no scale).
+- 2..8-bit band: symmetric mid-rise uniform codes q ∈ [0, 2^b − 1], x̂ = (q + ½ − 2^(b−1))·s with
+  s = absmax(band row)/(2^(b−1) − ½): every level is used (2 bits = ±½s, ±3/2 s, no wasted zero code), and
+  |x − x̂| ≤ s/2. Codes are packed little-endian, first dim in the lowest bits.
+- 0 bits: not stored (the export drops those dims from its ranks).
+
+`row_bytes` is what the cache holds per token and head; `roundtrip` is quantize then dequantize, what
+attention reads back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+
+__all__ = ["SCALE_BYTES", "WIDTHS", "Band", "bands_from_bits", "dequantize", "quantize", "roundtrip", "row_bytes"]
+
+WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)  # the bit widths a band may have
+SCALE_BYTES = 2  # float16 scale per quantized band per token
+
+
+@dataclass(frozen=True)
+class Band:
+    start: int  # first dim
+    size: int  # dims
+    bits: int  # one of WIDTHS, not 0
+
+    @property
+    def code_bytes(self) -> int:
+        return -(-self.size * self.bits // 8)
+
+    @property
+    def scaled(self) -> bool:
+        return self.bits < 16
+
+
+def bands_from_bits(bits: list[int]) -> tuple[Band, ...]:
+    """Per-dim bit widths (non-increasing, as the allocation gives them) -> the bands of equal width, zero
+    widths left out."""
+    if any(b not in WIDTHS for b in bits):
+        raise ValueError(f"bit widths must be among {WIDTHS}, got {sorted(set(bits) - set(WIDTHS))}")
+    if any(b2 > b1 for b1, b2 in pairwise(bits)):
+        raise ValueError("bit widths must not increase along the dims (dims are ordered by importance)")
+    bands, start = [], 0
+    while start < len(bits):
+        end = start
+        while end < len(bits) and bits[end] == bits[start]:
+            end += 1
+        if bits[start]:
+            bands.append(Band(start, end - start, bits[start]))
+        start = end
+    return tuple(bands)
+
+
+def row_bytes(bands: tuple[Band, ...]) -> int:
+    """Bytes per token of one head's row: codes plus one scale per quantized band."""
+    return sum(b.code_bytes + (SCALE_BYTES if b.scaled else 0) for b in bands)
+
+
+def _levels(bits: int) -> float:
+    return 2.0 ** (bits - 1) - 0.5  # absmax maps to the outermost level's centre
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., n] integer codes < 2^bits -> [..., ceil(n·bits/8)] uint8, little-endian bit stream."""
+    shifts = torch.arange(bits, device=codes.device)
+    stream = ((codes[..., None].to(torch.int32) >> shifts) & 1).flatten(-2)  # [..., n·bits]
+    pad = (-stream.shape[-1]) % 8
+    stream = torch.nn.functional.pad(stream, (0, pad)).unflatten(-1, (-1, 8))
+    return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    stream = ((packed[..., None].to(torch.int32) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    stream = stream[..., : n * bits].unflatten(-1, (n, bits))
+    return (stream << torch.arange(bits, device=packed.device)).sum(-1)
+
+
+def quantize(x: torch.Tensor, bands: tuple[Band, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] (one head's rotated row per token) -> (bytes [..., Σ code_bytes] uint8, scales
+    [..., quantized bands] float16)."""
+    rows, scales = [], []
+    for band in bands:
+        part = x[..., band.start : band.start + band.size].float()
+        if not band.scaled:
+            rows.append(part.to(torch.float16).contiguous().view(torch.uint8))
+            continue
+        # the scale is stored in float16, so the codes are computed against the stored value (rounded up,
+        # so absmax never lands outside the outermost level)
+        s = (part.abs().amax(-1, keepdim=True) / _levels(band.bits)).clamp_min(1e-8)
+        s16 = s.to(torch.float16)
+        s16 = torch.where(s16.float() < s, torch.nextafter(s16, torch.full_like(s16, torch.inf)), s16)
+        q = torch.floor(part / s16.float() + 2.0 ** (band.bits - 1)).clamp(0, 2**band.bits - 1)
+        rows.append(_pack(q.to(torch.int32), band.bits))
+        scales.append(s16)
+    lead = x.shape[:-1]
+    codes = torch.cat(rows, -1) if rows else torch.empty(*lead, 0, dtype=torch.uint8, device=x.device)
+    sc = torch.cat(scales, -1) if scales else torch.empty(*lead, 0, dtype=torch.float16, device=x.device)
+    return codes, sc
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bands: tuple[Band, ...], d: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of `quantize`: [..., d] with zeros in the dims no band holds."""
+    out = torch.zeros(*codes.shape[:-1], d, dtype=dtype, device=codes.device)
+    at, k = 0, 0
+    for band in bands:
+        chunk = codes[..., at : at + band.code_bytes]
+        at += band.code_bytes
+        if not band.scaled:
+            vals = chunk.contiguous().view(torch.float16).float()
+        else:
+            q = _unpack(chunk, band.bits, band.size).float()
+            vals = (q + 0.5 - 2.0 ** (band.bits - 1)) * scales[..., k : k + 1].float()
+            k += 1
+        out[..., band.start : band.start + band.size] = vals.to(dtype)
+    return out
+
+
+def roundtrip(x: torch.Tensor, bands: tuple[Band, ...]) -> torch.Tensor:
+    """What attention reads back after x [..., d] is stored in `bands` (same shape and dtype)."""
+    codes, scales = quantize(x, bands)
+    return dequantize(codes, scales, bands, x.shape[-1], x.dtype)
