@@ -36,7 +36,8 @@ def frontier(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
     png: Annotated[Path | None, typer.Option(help="Draw top-1 ratio vs KV bytes here.")] = None,
 ) -> None:
-    """Accuracy vs KV bytes per method (kvfold, ablations, ZACK/FDC, uniform, Palu, ThinK, fp8, kvfold+fp8)."""
+    """Accuracy vs KV bytes per method (kvfold, ablations, ZACK/FDC, uniform, Palu, ThinK, fp8, kvfold+fp8,
+    kvfold-bits, int8, int4, KIVI)."""
     from kvfold.bench.frontier import bench_frontier
     from kvfold.report import frontier_table
 

@@ -174,3 +174,46 @@ def test_ablations_change_one_choice_each():
     for name, diff in changed.items():
         m = METHODS[name]
         assert {f for f in fields if getattr(m, f) != getattr(base, f)} == diff, name
+
+
+def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(setup):
+    from kvfold.plan.bits import BitRule, plan_bits, theta_for_mean_bits
+    from kvfold_runtime.bands import bands_from_bits, row_bytes
+
+    bits = METHODS["kvfold-bits"]
+    cands = list(replace(bits, grid=(15.9, 4.0)).candidates(setup))
+    assert [c.kv_fraction for c in cands] == sorted((c.kv_fraction for c in cands), reverse=True)
+    # bytes: independently, every head's row bytes of a plan at the same budget
+    bases, weights = setup.bases("aware", "text"), setup.layer_weights()
+    theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths)
+    plan = plan_bits(bases, BitRule(theta, theta, layer_k=weights.k, layer_v=weights.v))
+    rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
+    assert cands[1].kv_fraction == pytest.approx(sum(rows) / (len(rows) * 2 * plan.head_dim))
+    # nearly every dim at 16 bits (float16 storage): the original's logits up to float16 round-off
+    assert _close(_logits(setup, cands[0].patches), _logits(setup), 2e-2)
+    assert not _close(_logits(setup, cands[1].patches), _logits(setup), 1e-3)
+
+
+def test_int_per_token_and_kivi_count_their_scales(setup):
+    from kvfold.bench.frontier.methods.quant import kivi_roundtrip
+
+    d = setup.model.config.head_dim
+    (i8,), (i4,) = METHODS["int8"].candidates(setup), METHODS["int4"].candidates(setup)
+    assert i8.kv_fraction == (d + 2) / (2 * d) and i4.kv_fraction == (d / 2 + 2) / (2 * d)
+    ref = _logits(setup)
+    assert _close(_logits(setup, i8.patches), ref, 2e-2) and not _close(_logits(setup, i4.patches), ref, 1e-3)
+    (k4,) = METHODS["kivi4"].candidates(setup)
+    groups = -(-d // 32)
+    assert k4.kv_fraction == pytest.approx((2 * d * 4 / 8 + 4 * d / 32 + 4 * groups) / (4 * d))
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 70, 40)  # 70 tokens: a partial key group; 40 channels: a partial value group
+    for keys, dims in ((True, 2), (False, 3)):
+        y = kivi_roundtrip(x, 4, keys)
+        if keys:
+            g = torch.nn.functional.pad(x, (0, 0, 0, 26), value=float("nan")).unflatten(2, (-1, 32))
+            span = (g.nan_to_num(-1e9).amax(3) - g.nan_to_num(1e9).amin(3)).repeat_interleave(32, 2)[:, :, :70]
+        else:
+            g = torch.nn.functional.pad(x, (0, 24), value=float("nan")).unflatten(-1, (-1, 32))
+            span = (g.nan_to_num(-1e9).amax(-1) - g.nan_to_num(1e9).amin(-1)).repeat_interleave(32, -1)[..., :40]
+        step = span / 15
+        assert torch.all((y - x).abs() <= step * 0.5 * 1.01 + 1e-3 * step.amax()), dims

@@ -11,9 +11,10 @@ from kvfold.errors import KVFoldError
 __all__ = ["draw", "pyplot"]
 
 # kvfold's own curves bold, its ablations dashed, every method its own colour (the same in each panel)
-_BOLD = {"kvfold", "kvfold+fp8"}
+_BOLD = {"kvfold", "kvfold+fp8", "kvfold-bits"}
+_ABLATIONS = ("kvfold-shared-r", "kvfold-split-r", "kvfold-random", "kvfold-zdc")
 _COLORS = ["#d62728", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#1f77b4", "#2ca02c", "#9467bd",
-           "#000000", "#ff7f0e", "#aec7e8", "#98df8a"]
+           "#000000", "#ff7f0e", "#aec7e8", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#dbdb8d"]
 
 
 def pyplot():
@@ -48,7 +49,7 @@ def draw(report: dict, path: Path) -> None:
                 xs, ys, zs = [1.0, *xs], [1.0, *ys], [1.0, *zs]
             bold = m["name"] in _BOLD
             style = dict(color=color[m["name"]], lw=2.6 if bold else 1.4, marker="o" if bold else "s",
-                         ls="--" if m["name"].startswith("kvfold-") else "-", ms=4)
+                         ls="--" if m["name"] in _ABLATIONS else "-", ms=4)
             at, joint = m["compression_at_target"], m.get("compression_at_joint_target")
             top.plot(xs, ys, label=f"{m['label']}: " + (f"{at:.1%} saved" if at is not None else "not reached"),
                      **style)

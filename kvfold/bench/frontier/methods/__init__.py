@@ -6,9 +6,11 @@ from __future__ import annotations
 from kvfold.errors import KVFoldError
 
 from .base import Candidate, Method
+from .bits import KVFoldBits
 from .fp8 import Fp8
 from .kvfold import KVFold
 from .palu import Palu
+from .quant import IntPerToken, Kivi
 from .think import ThinK
 from .uniform import Uniform
 
@@ -35,11 +37,18 @@ _ALL: list[Method] = [
     ThinK(),
     Fp8(),
     KVFold(name="kvfold+fp8", label="kvfold + fp8", fp8=True, grid=(0.0025, 0.005, 0.0075, 0.01, 0.015)),
+    # the transform-coded cache (issue 13) and the quantized caches a user would pick instead of it
+    KVFoldBits(),
+    IntPerToken(8),
+    IntPerToken(4),
+    Kivi(4),
+    Kivi(2),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)
 # On further models (the MHA variant: GQA vs MHA) kvfold against each peer, without the ablations.
-PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8")
+PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8", "kvfold-bits", "int8", "int4", "kivi4",
+         "kivi2")
 
 
 ALIASES = {"fdc": "zack"}  # the papers' method goes by either paper's name

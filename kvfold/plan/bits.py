@@ -1,0 +1,97 @@
+"""Bits per rotated dim (transform coding): the bit-band cache format's allocation (issue 13).
+
+In kvfold's bases the dims of a KV head are decorrelated and ordered by importance λ_j — for keys
+λ_j = σ_j², σ the whitened Q/K spectrum (E[(qA)_j²] = E[(kB)_j²] = σ_j, so an error e in k'_j costs
+σ_j·E[e²] in the scores and dropping it costs σ_j²); for values the output-aware spectrum squared, the
+same proxy the rank rule uses. Storing dim j at b bits costs about λ_j·2^(−2b) (uniform quantization of
+a variance-λ number), dropping it λ_j. Reverse water-filling minimises Σ cost for a bit budget; over a
+discrete set of widths that is, for a multiplier θ, each dim's width
+
+    b_j = argmin_b  λ̂_j · 2^(−2b) + θ · b        (b = 0 costs λ̂_j)
+
+with λ̂ the head's λ normalised to sum 1, so one θ means the same relative distortion in every head
+(as one removal rate r does for ranks). Larger θ, fewer bits; λ descending, so bits never increase
+along the dims and equal widths form contiguous bands (kvfold_runtime.bands). Per-layer sensitivity
+multipliers scale θ exactly as they scale r (plan/sensitivity.py). The accuracy search then runs over θ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvfold.plan.ranks import RankPlan
+from kvfold.rewrite.factors import LayerBasis
+
+__all__ = ["BitPlan", "BitRule", "dim_bits", "plan_bits"]
+
+
+@dataclass(frozen=True)
+class BitRule:
+    theta_k: float  # distortion-per-bit multiplier for keys
+    theta_v: float
+    widths: tuple[int, ...] = (0, 2, 3, 4, 5, 6, 8, 16)  # allowed band widths (kvfold_runtime.bands.WIDTHS)
+    layer_k: tuple[float, ...] = ()  # per-layer multipliers of theta (sensitivity allocation); () = all 1
+    layer_v: tuple[float, ...] = ()
+
+    def thetas(self, layer: int) -> tuple[float, float]:
+        wk = self.layer_k[layer] if self.layer_k else 1.0
+        wv = self.layer_v[layer] if self.layer_v else 1.0
+        return self.theta_k * wk, self.theta_v * wv
+
+
+@dataclass(frozen=True)
+class BitPlan:
+    k_bits: list[list[list[int]]]  # [layer][kv head][dim], non-increasing along dims; 0 = dropped
+    v_bits: list[list[list[int]]]
+    head_dim: int
+
+    def ranks(self) -> RankPlan:
+        """The dims each head keeps at all (its bases are truncated to these)."""
+        count = [[sum(b > 0 for b in head) for head in layer] for layer in self.k_bits]
+        count_v = [[sum(b > 0 for b in head) for head in layer] for layer in self.v_bits]
+        return RankPlan(d_k=count, d_v=count_v, head_dim=self.head_dim)
+
+    def mean_bits(self) -> float:
+        """Bits per stored number, averaged over every dim of K and V (dropped dims count 0); scales excluded."""
+        every = [b for side in (self.k_bits, self.v_bits) for layer in side for head in layer for b in head]
+        return sum(every) / len(every)
+
+
+def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...]) -> list[int]:
+    """One head's widths from its spectrum (descending σ): the argmin above for every dim."""
+    lam = spectrum.double() ** 2
+    total = float(lam.sum())
+    if total == 0.0:
+        return [0] * len(spectrum)
+    out = []
+    for x in (lam / total).tolist():
+        costs = [(x * 2.0 ** (-2 * b) + theta * b, -b) for b in widths]  # ties: more bits
+        out.append(-min(costs)[1])
+    # λ descending gives non-increasing widths already; enforce it against round-off in equal λ's
+    for j in range(1, len(out)):
+        out[j] = min(out[j], out[j - 1])
+    return out
+
+
+def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
+    k_bits, v_bits = [], []
+    for i, b in enumerate(bases):
+        tk, tv = rule.thetas(i)
+        k_bits.append([dim_bits(s, tk, rule.widths) for s in b.qk_spectrum])
+        v_bits.append([dim_bits(s, tv, rule.widths) for s in b.v_spectrum])
+    return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1])
+
+
+def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...]) -> float:
+    """The θ (no per-layer multipliers) whose plan stores about `bits` per number: for sweeps by budget."""
+    lo, hi = math.log(1e-9), math.log(1.0)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if plan_bits(bases, BitRule(math.exp(mid), math.exp(mid), widths)).mean_bits() > bits:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(hi)

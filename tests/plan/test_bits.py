@@ -1,0 +1,43 @@
+"""Bits per rotated dim (plan/bits.py): the discrete reverse water-filling and what it plans."""
+
+import pytest
+import torch
+
+from kvfold.plan.bits import BitRule, dim_bits, plan_bits, theta_for_mean_bits
+from kvfold.rewrite.factors import LayerBasis
+
+WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)
+
+
+def test_each_dim_gets_the_width_that_minimises_distortion_plus_theta_per_bit():
+    spectrum = torch.logspace(0, -3, 64, dtype=torch.float64)
+    lam = spectrum**2 / (spectrum**2).sum()
+    for theta in (1e-7, 1e-5, 1e-4, 1e-3, 1e-2):
+        bits = dim_bits(spectrum, theta, WIDTHS)
+        assert bits == sorted(bits, reverse=True)
+        brute = [min(WIDTHS, key=lambda b, x=float(x): (x * 2.0 ** (-2 * b) + theta * b, -b)) for x in lam]
+        assert bits == brute
+    means = [sum(dim_bits(spectrum, t, WIDTHS)) / 64 for t in (1e-14, 1e-6, 1e-4, 1e-2, 1.0)]
+    assert means == sorted(means, reverse=True) and means[0] == 16 and means[-1] == 0
+    assert dim_bits(torch.zeros(4), 1e-3, WIDTHS) == [0, 0, 0, 0]
+
+
+def _bases(layers=2, kv_heads=2, d=16):
+    torch.manual_seed(0)
+    spec = torch.logspace(0, -2, d, dtype=torch.float64).repeat(kv_heads, 1) * torch.rand(kv_heads, 1)
+    eye = torch.eye(d, dtype=torch.float64).repeat(kv_heads, 1, 1)
+    return [LayerBasis(1, spec, spec.flip(-1).sort(-1, descending=True).values, eye, eye, eye, None)
+            for _ in range(layers)]
+
+
+def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
+    bases = _bases()
+    plan = plan_bits(bases, BitRule(1e-3, 1e-3, WIDTHS, layer_k=(1.0, 8.0), layer_v=(1.0, 1.0)))
+    ranks = plan.ranks()
+    assert ranks.d_k == [[sum(b > 0 for b in h) for h in layer] for layer in plan.k_bits]
+    assert sum(map(sum, plan.k_bits[1])) < sum(map(sum, plan.k_bits[0]))  # multiplier 8: a cheaper layer
+    assert plan.v_bits[0] == plan.v_bits[1]
+    for bits in (2.0, 4.0, 6.0):
+        theta = theta_for_mean_bits(bases, bits, WIDTHS)
+        got = plan_bits(bases, BitRule(theta, theta, WIDTHS)).mean_bits()
+        assert got == pytest.approx(bits, abs=16 / (2 * 2 * 2 * 16))  # within one dim's 16 bits of the budget

@@ -1,0 +1,51 @@
+"""The bit-band cache format (kvfold_runtime.bands): layout, bytes and each width's error bound."""
+
+import pytest
+import torch
+
+from kvfold_runtime.bands import SCALE_BYTES, Band, bands_from_bits, dequantize, quantize, roundtrip, row_bytes
+
+BITS = [16] * 2 + [8] * 5 + [6] * 3 + [5] * 4 + [4] * 10 + [3] * 9 + [2] * 21 + [0] * 10
+
+
+def test_equal_widths_form_contiguous_bands_and_zero_bits_are_not_stored():
+    bands = bands_from_bits(BITS)
+    assert [(b.start, b.size, b.bits) for b in bands] == [
+        (0, 2, 16), (2, 5, 8), (7, 3, 6), (10, 4, 5), (14, 10, 4), (24, 9, 3), (33, 21, 2)]
+    # codes byte-aligned per band, one float16 scale per band below 16 bits
+    assert row_bytes(bands) == 4 + 5 + 3 + 3 + 5 + 4 + 6 + 6 * SCALE_BYTES
+    with pytest.raises(ValueError, match="must not increase"):
+        bands_from_bits([4, 8])
+    with pytest.raises(ValueError, match="among"):
+        bands_from_bits([7])
+
+
+def test_each_band_round_trips_within_half_a_step_and_16_bits_is_float16():
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 64) * torch.logspace(1, -2, 64)  # [B, T, d]: magnitudes fall along the dims
+    bands = bands_from_bits(BITS)
+    codes, scales = quantize(x, bands)
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 7, sum(b.code_bytes for b in bands))
+    assert scales.dtype == torch.float16 and scales.shape == (3, 7, 6)
+    y = dequantize(codes, scales, bands, 64)
+    for band, s in zip(bands[1:], scales.unbind(-1), strict=True):
+        part = slice(band.start, band.start + band.size)
+        step = s.float()[..., None]
+        assert torch.all((x[..., part] - y[..., part]).abs() <= step / 2 * (1 + 1e-6))
+        # the step is the band's absmax over its outermost level, rounded up to float16
+        ideal = x[..., part].abs().amax(-1, keepdim=True) / (2 ** (band.bits - 1) - 0.5)
+        assert torch.all(step >= ideal) and torch.all(step <= ideal * (1 + 2**-10))
+    assert torch.equal(y[..., :2], x[..., :2].half().float())
+    assert torch.equal(y[..., 54:], torch.zeros(3, 7, 10))
+    assert torch.equal(roundtrip(x, bands), y)
+
+
+def test_every_code_of_a_width_is_reachable_and_packing_is_exact():
+    for bits in (2, 3, 4, 5, 6, 8):
+        levels = 2**bits
+        # values at every level centre of a band whose absmax is the outermost level
+        x = (torch.arange(levels, dtype=torch.float32) + 0.5 - levels / 2)[None, :]
+        band = (Band(0, levels, bits),)
+        codes, scales = quantize(x, band)
+        assert codes.shape[-1] == -(-levels * bits // 8) and float(scales) == 1.0
+        assert torch.equal(dequantize(codes, scales, band, levels), x)
