@@ -103,10 +103,22 @@ class Manifest(_Frozen):
     num_kv_heads: int
     d_k: list[list[int]]  # [layer][kv head]
     d_v: list[list[int]]
+    # bits format (issue 13): [layer][kv head][kept dim] bit width of each kept dim, non-increasing; None: the
+    # cache stores k', v' in the model's dtype (rank format)
+    k_bits: list[list[list[int]]] | None = None
+    v_bits: list[list[list[int]]] | None = None
     chosen: Point
     curve: list[Point]
     extra_tensors: list[str]  # post-RoPE projections (RoPE models): names in the safetensors files
     files: dict[str, str] = {}  # file name -> sha256, every file of the directory but this one
+
+    def config_block(self) -> dict:
+        """The `kvfold` block of config.json: what the runtime needs to build the model and its cache."""
+        block = {"schema_version": self.schema_version, "d_k": self.d_k, "d_v": self.d_v,
+                 "post_rope_projections": bool(self.extra_tensors)}
+        if self.k_bits is not None:
+            block |= {"k_bits": self.k_bits, "v_bits": self.v_bits}
+        return block
 
     def accuracy_target(self) -> Target | None:
         """The target the search met (None when the export was made for a compression)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch import nn
 
-from kvfold.checkpoint.manifest import MANIFEST_FILE, SCHEMA_VERSION, Manifest
+from kvfold.checkpoint.manifest import MANIFEST_FILE, Manifest
 from kvfold.io import atomic_write_text, sha256_file
 
 __all__ = ["runtime_architecture", "write_checkpoint"]
@@ -31,8 +31,7 @@ def write_checkpoint(baked: nn.Module, source: Path, manifest: Manifest, out: Pa
     # instead, and add a small block that vLLM's and transformers' config objects carry along.
     config = json.loads((out / "config.json").read_text())
     config["architectures"] = [runtime_architecture(manifest.source.architecture)]
-    config["kvfold"] = {"schema_version": SCHEMA_VERSION, "d_k": manifest.d_k, "d_v": manifest.d_v,
-                        "post_rope_projections": bool(manifest.extra_tensors)}
+    config["kvfold"] = manifest.config_block()
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in _CARRIED:
         if (source / name).is_file() and not (out / name).exists():

@@ -48,6 +48,8 @@ def _config(directory: Path, m: Manifest) -> tuple[Check, dict | None]:
                         f"[{runtime_architecture(m.source.architecture)}]")
     if block.get("d_k") != m.d_k or block.get("d_v") != m.d_v:
         problems.append("the kvfold block's d_k/d_v differ from the manifest's")
+    if block.get("k_bits") != m.k_bits or block.get("v_bits") != m.v_bits:
+        problems.append("the kvfold block's bit widths differ from the manifest's")
     return Check("config", not problems, "; ".join(problems) or "config.json agrees with the manifest"), config
 
 
@@ -58,7 +60,7 @@ def _expected_shapes(directory: Path, m: Manifest) -> tuple[dict[str, tuple[int,
     require_runtime()
 
     config = AutoConfig.from_pretrained(directory)
-    config.kvfold = {"schema_version": m.schema_version, "d_k": m.d_k, "d_v": m.d_v}
+    config.kvfold = m.config_block()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = set(getattr(model, "_tied_weights_keys", None) or {}) if config.tie_word_embeddings else set()

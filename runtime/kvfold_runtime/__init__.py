@@ -8,6 +8,10 @@ dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and t
 `decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention` (imported on
 first use: triton is needed only where they run).
 
+`kvfold_runtime.bands` is the bit-band cache format (a head's rotated dims in contiguous bands of one bit
+width, per-token scales): its layout, bytes, quantize/dequantize. Exports do not use it yet; kvfold's
+frontier benchmark measures it.
+
 `kvfold_runtime.vllm` is vLLM's plugin (entry point `vllm.general_plugins`): with this package installed,
 `vllm serve EXPORTED_DIR` and `vllm.LLM(model=EXPORTED_DIR)` serve exports from a paged cache that holds
 the compressed widths. It is imported by vLLM, never here (vLLM is optional).

@@ -16,6 +16,8 @@ One token row of one KV head (keys and values separately), in dim order, byte-al
   |x − x̂| ≤ s/2. Codes are packed little-endian, first dim in the lowest bits.
 - 0 bits: not stored (the export drops those dims from its ranks).
 
+A layer's cached row per token is its heads' rows in order (`encode_heads`): keys [..., Σ_g row_bytes(g)]
+uint8, the same for values — what the transformers cache stores for a bits-format export, byte for byte.
 `row_bytes` is what the cache holds per token and head; `roundtrip` is quantize then dequantize, what
 attention reads back.
 """
@@ -27,7 +29,8 @@ from itertools import pairwise
 
 import torch
 
-__all__ = ["SCALE_BYTES", "WIDTHS", "Band", "bands_from_bits", "dequantize", "quantize", "roundtrip", "row_bytes"]
+__all__ = ["SCALE_BYTES", "WIDTHS", "Band", "bands_from_bits", "decode_heads", "dequantize", "encode_heads", "quantize",
+           "roundtrip", "row_bytes"]
 
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)  # the bit widths a band may have
 SCALE_BYTES = 2  # float16 scale per quantized band per token
@@ -135,3 +138,26 @@ def roundtrip(x: torch.Tensor, bands: tuple[Band, ...]) -> torch.Tensor:
     """What attention reads back after x [..., d] is stored in `bands` (same shape and dtype)."""
     codes, scales = quantize(x, bands)
     return dequantize(codes, scales, bands, x.shape[-1], x.dtype)
+
+
+def encode_heads(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
+    """x [..., Σ_g widths[g]] (heads packed at their widths) -> [..., Σ_g row_bytes(bands[g])] uint8:
+    per head its codes, then its scales' bytes."""
+    rows = []
+    for part, head in zip(x.split(list(widths), -1), bands, strict=True):
+        codes, scales = quantize(part, head)
+        rows += [codes, scales.contiguous().view(torch.uint8)]
+    return torch.cat(rows, -1)
+
+
+def decode_heads(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `encode_heads`: [..., Σ_g widths[g]] in `dtype`."""
+    out, at = [], 0
+    for width, head in zip(widths, bands, strict=True):
+        n_codes = sum(b.code_bytes for b in head)
+        n_scales = SCALE_BYTES * sum(b.scaled for b in head)
+        codes, scales = rows[..., at : at + n_codes], rows[..., at + n_codes : at + n_codes + n_scales]
+        at += n_codes + n_scales
+        out.append(dequantize(codes, scales.contiguous().view(torch.float16), head, width, dtype))
+    return torch.cat(out, -1)

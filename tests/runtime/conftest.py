@@ -41,10 +41,24 @@ class TinyExport:
     manifest: Manifest
 
 
-def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method: str = "aware") -> TinyExport:
-    """Bake the tiny `arch` model (saved at `source`) at full or uneven ranks into `out`."""
+def band_bits(widths: list[list[int]], low: bool) -> list[list[list[int]]]:
+    """Per-dim bit widths for every head: all 16, or (low) a quarter of the dims at 8 bits, a quarter at 4,
+    the rest at 2."""
+    def head(w: int) -> list[int]:
+        return [16] * w if not low else [8] * (w // 4) + [4] * (w // 4) + [2] * (w - 2 * (w // 4))
+
+    return [[head(w) for w in layer] for layer in widths]
+
+
+def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method: str = "aware",
+                 bits: str | None = None) -> TinyExport:
+    """Bake the tiny `arch` model (saved at `source`) at full or uneven ranks into `out`; with `bits`
+    ("16" or "low", band_bits) in the bits format."""
     model = build_tiny(arch)
     d_k, d_v = (full_ranks if ranks == "full" else uneven_ranks)(model)
+    k_bits = v_bits = None
+    if bits is not None:
+        k_bits, v_bits = band_bits(d_k, bits == "low"), band_bits(d_v, bits == "low")
     layout = HeadLayout.from_config(model.config)
     factors = _factors(model, arch, method, d_k, d_v)
     baked = bake(model, get_adapter(arch), factors)
@@ -58,7 +72,8 @@ def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method
         calibration=Calibration(source="random", text=None, tokens=512, seed=0, stats_sha256="test"),
         method=method, metric="top1", target="compression>=0", eval_text="test", eval_tokens=0,
         baseline_top1=0.0, baseline_ppl=0.0, rounding_multiple=1, min_rank=1, head_dim=layout.head_dim,
-        num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, d_k=d_k, d_v=d_v, chosen=point,
+        num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, d_k=d_k, d_v=d_v, k_bits=k_bits,
+        v_bits=v_bits, chosen=point,
         curve=[point], extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
     )
     out.mkdir(parents=True)

@@ -122,3 +122,48 @@ def test_a_static_cache_is_refused_with_the_fix(tiny_exports):
     served = _serve(tiny_exports["LlamaForCausalLM", "uneven"])
     with pytest.raises(ValueError, match="remove cache_implementation"), torch.inference_mode():
         served.generate(_ids(5, (1, 6)), max_new_tokens=3, cache_implementation="static")
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_a_bits_format_cache_stores_the_band_codes_and_attends_to_them(tiny_dirs, tmp_path, arch):
+    from kvfold_runtime.bands import bands_from_bits, decode_heads, roundtrip, row_bytes
+    from tests.runtime.conftest import write_export
+
+    plain = write_export(arch, tiny_dirs[arch], tmp_path / "plain", "uneven")
+    wide = write_export(arch, tiny_dirs[arch], tmp_path / "16", "uneven", bits="16")
+    low = write_export(arch, tiny_dirs[arch], tmp_path / "low", "uneven", bits="low")
+    ids = _ids(4, (2, 20))
+    with torch.inference_mode():
+        want = _serve(plain)(input_ids=ids).logits
+        # 16-bit bands: float16 storage of the same k', v'
+        assert _rel(_serve(wide)(input_ids=ids).logits, want) < 1e-3
+        served = _serve(low)
+        one_pass = served(input_ids=ids, use_cache=False).logits
+        assert _rel(one_pass, want) > 1e-3  # 2–8 bits change something
+        # per-token scales: a token's codes depend on that token alone, so decoding token by token stores
+        # what one pass stores — up to float round-off of k' itself, which flips a rare code at a rounding
+        # boundary (measured: ≤ ~1% of a layer's bytes) and moves those positions' logits
+        cache = DynamicCache(config=served.config)
+        steps = [served(input_ids=ids[:, :8], past_key_values=cache).logits]
+        steps += [served(input_ids=ids[:, i : i + 1], past_key_values=cache).logits for i in range(8, 20)]
+        whole = served(input_ids=ids, use_cache=True).past_key_values
+        same = [float((a.keys == b.keys).float().mean()) for a, b in zip(whole.layers, cache.layers, strict=True)]
+        assert min(same) > 0.97 and same[0] == 1.0  # layer 0's k' is computed from the embeddings alone
+        diff = (torch.cat(steps, 1) - one_pass).abs().amax(-1)  # [B, T]
+        assert float(diff[:, :8].max()) < 1e-4 and float(diff.median()) < 1e-4
+        plain_cache = _serve(plain)(input_ids=ids, use_cache=True).past_key_values
+    m = low.manifest
+    # layer 0 sees the same input in both exports: its cache holds the codes of the plain export's k', v'
+    k0, v0 = plain_cache.layers[0].keys, plain_cache.layers[0].values  # [B, 1, T, Σ d]
+    for rows, plain_rows, widths, bits in ((whole.layers[0].keys, k0, m.d_k[0], m.k_bits[0]),
+                                           (whole.layers[0].values, v0, m.d_v[0], m.v_bits[0])):
+        bands = tuple(bands_from_bits(h) for h in bits)
+        decoded = decode_heads(rows, tuple(widths), bands, torch.float32)
+        want_rows = torch.cat([roundtrip(x, b) for x, b in zip(plain_rows.split(widths, -1), bands, strict=True)], -1)
+        assert torch.allclose(decoded, want_rows, atol=1e-6)
+    for layer, kb, vb in zip(cache.layers, m.k_bits, m.v_bits, strict=True):
+        per_token = (sum(row_bytes(bands_from_bits(h)) for h in kb), sum(row_bytes(bands_from_bits(h)) for h in vb))
+        assert layer.keys.dtype == torch.uint8 and layer.keys.shape == (2, 1, 20, per_token[0])
+        assert layer.values.shape == (2, 1, 20, per_token[1])
+    assert kvfold_runtime.kv_cache_bytes(cache) == 2 * 20 * sum(
+        row_bytes(bands_from_bits(h)) for side in (m.k_bits, m.v_bits) for layer in side for h in layer)

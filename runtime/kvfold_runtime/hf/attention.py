@@ -18,6 +18,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
+from kvfold_runtime.bands import decode_heads, encode_heads
 from kvfold_runtime.dims import LayerDims
 from kvfold_runtime.hf.families import Family
 from kvfold_runtime.kernels.dispatch import attention
@@ -95,6 +96,19 @@ class KVFoldAttention(nn.Module):
             ks.append(k[:, g] @ bk[g])  # [B, T, w]
         return torch.cat(qs, -1), torch.cat(ks, -1)
 
+    def _cached(self, k: torch.Tensor, v: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's k', v' [B, 1, T, Σ_g d] to the cache (if any) and return every cached token's. A
+        bits-format layer stores the band codes and scales (uint8 rows, kvfold_runtime.bands) and reads
+        them back dequantized, so attention sees exactly what the cache holds."""
+        if not self.dims.banded:
+            return (k, v) if cache is None else cache.update(k, v, self.layer_idx)
+        dk, dv = self.dims.d_k, self.dims.d_v
+        k_rows, v_rows = encode_heads(k, dk, self.dims.k_bands), encode_heads(v, dv, self.dims.v_bands)
+        if cache is not None:  # without a cache (use_cache=False) attention still reads the stored form
+            k_rows, v_rows = cache.update(k_rows, v_rows, self.layer_idx)
+        return decode_heads(k_rows, dk, self.dims.k_bands, k.dtype), decode_heads(v_rows, dv, self.dims.v_bands,
+                                                                                    v.dtype)
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
         q, k, v = self._qkv(hidden_states)
@@ -108,7 +122,7 @@ class KVFoldAttention(nn.Module):
             if self.layer_idx < len(layers) and not isinstance(layers[self.layer_idx], DynamicLayer):
                 raise ValueError("kvfold exports store packed, per-head-width keys; use the default DynamicCache "
                                  f"(got {type(layers[self.layer_idx]).__name__}: remove cache_implementation)")
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        k, v = self._cached(k, v, past_key_values)
         out = attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
                              scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
         out = getattr(self, self.family.o_proj)(out)
