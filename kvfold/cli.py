@@ -79,6 +79,8 @@ def export(
                                                    "default) or eq6 (one rate, the papers').")] = None,
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
                                                  "unfavourable side [1].")] = None,
+    format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks, default) or bits (each "
+                                               "kept dim stored at 2–16 bits; transformers runtime only).")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
@@ -91,7 +93,7 @@ def export(
         options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
-            allocation=allocation))
+            allocation=allocation, format=format))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))

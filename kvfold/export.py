@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,13 +17,14 @@ from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_dir
+from kvfold.plan.bits import BitRule, plan_bits
 from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
-from kvfold.plan.targets import for_accuracy, for_compression
+from kvfold.plan.targets import for_accuracy, for_accuracy_bits, for_compression
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
 from kvfold.rewrite.weights import o_proj_heads
@@ -74,9 +75,14 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")
         weights = _layer_weights(previous, recipe, bases, net, ref, windows, log)
 
-        def rule(r: float) -> RankRule:
-            return RankRule(r_k=r, r_v=recipe.v_scale * r, multiple=recipe.multiple, min_rank=recipe.min_rank,
-                            layer_k=weights.k if weights else (), layer_v=weights.v if weights else ())
+        bits = recipe.format == "bits"
+
+        def rule(r: float, r_v: float | None = None) -> RankRule | BitRule:
+            r_v = recipe.v_scale * r if r_v is None else r_v
+            layers = dict(layer_k=weights.k if weights else (), layer_v=weights.v if weights else ())
+            if bits:  # r is the water-filling's θ (plan/bits.py)
+                return BitRule(theta_k=r, theta_v=r_v, **layers)
+            return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, **layers)
 
         if previous is not None:
             curve = [CurvePoint.from_dict(p.model_dump()) for p in previous.curve]
@@ -94,13 +100,17 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                     log(f"candidate {_candidate(p, recipe.eval_text)} ({time.monotonic() - started[0]:.0f} s)")
                     started[0] = time.monotonic()
 
-                best, curve = for_accuracy(bases, evaluator, target, rule, progress=scored)
+                search = for_accuracy_bits if bits else for_accuracy
+                best, curve = search(bases, evaluator, target, rule, progress=scored)
             else:
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
         log(f"chosen: {_candidate(best, recipe.eval_text)}; writing the checkpoint")
-        ranks = plan_ranks(bases, replace(rule(best.r_k), r_v=best.r_v))
+        chosen = rule(best.r_k, best.r_v)
+        bit_plan = plan_bits(bases, chosen) if bits else None
+        ranks = bit_plan.ranks() if bits else plan_ranks(bases, chosen)
+        k_bits, v_bits = bit_plan.kept_bits() if bits else (None, None)
         baked = bake(net, ref.adapter, factors_for(bases, ranks))
         h = stats.header
         manifest = Manifest(
@@ -113,7 +123,8 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             method=recipe.method, metric=recipe.metric,
             target=f"compression>={recipe.ratio}" if target is None else target.describe(),
             target_level=None if target is None else target.level, margin=0.0 if target is None else target.margin,
-            rounding_multiple=recipe.multiple, min_rank=recipe.min_rank, head_dim=h.model.head_dim,
+            rounding_multiple=1 if bits else recipe.multiple, min_rank=0 if bits else recipe.min_rank,
+            head_dim=h.model.head_dim, k_bits=k_bits, v_bits=v_bits,
             allocation=recipe.allocation, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
             chosen=Point.model_validate(best.to_dict()), curve=[Point.model_validate(p.to_dict()) for p in curve],
@@ -161,8 +172,10 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
         ("model weights", prev.source.weights_sha256, sha),
         ("calibration", prev.calibration.stats_sha256, stats.header.stats_sha256),
         ("method", prev.method, recipe.method),
-        ("rank rounding", (prev.rounding_multiple, prev.min_rank), (recipe.multiple, recipe.min_rank)),
+        ("rank rounding", (prev.rounding_multiple, prev.min_rank),
+         (1, 0) if recipe.format == "bits" else (recipe.multiple, recipe.min_rank)),
         ("rank allocation", prev.allocation, recipe.allocation),
+        ("cache format", "bits" if prev.k_bits is not None else "rank", recipe.format),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

@@ -217,3 +217,30 @@ def test_pydoc_is_a_second_domain_that_ships_with_python():
                      ("wiki:dev+wiki:dev", "each text named once")]:
         with pytest.raises(KVFoldError, match=msg):
             resolve_text(bad)
+
+
+def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_dirs, exported, tmp_path):
+    """export --format bits: the accuracy search over the water-filling's θ, bit widths in the manifest and
+    config.json, and verify passes — its fidelity re-measured on the served model (whose cache stores the
+    codes) and its live cache bytes equal to the bands' row bytes exactly."""
+    from kvfold.checkpoint.manifest import Manifest
+    from kvfold_runtime.bands import bands_from_bits, row_bytes
+
+    calib, out = exported[0].parent / "calib", tmp_path / "bits"
+    result = run("export", tiny_dirs[LLAMA], "--calib", calib, "--eval-text", exported[1], "--eval-tokens", 1024,
+                 "--accuracy", 0.9, "--format", "bits", "-o", out)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(out)
+    assert m.k_bits is not None and [[len(h) for h in layer] for layer in m.k_bits] == m.d_k
+    assert all(b in (2, 3, 4, 5, 6, 8, 16) for side in (m.k_bits, m.v_bits) for layer in side for h in layer
+               for b in h)
+    assert json.loads((out / "config.json").read_text())["kvfold"]["v_bits"] == m.v_bits
+    per_token = sum(row_bytes(bands_from_bits(h)) for side in (m.k_bits, m.v_bits) for layer in side for h in layer)
+    fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)
+    assert m.chosen.compression == pytest.approx(1 - per_token / fp16) and m.chosen.compression > 0.5
+    assert m.accuracy_target().met(m.chosen) and len(m.curve) >= 3
+    report = json.loads(run("verify", out, "--eval-text", exported[1], "--eval-tokens", 1024, "--json").stdout)
+    assert report["ok"], report["checks"]
+    assert report["kv_bytes_per_token"]["exported"] == per_token
+    assert_user_error(run("export", tiny_dirs[LLAMA], "--calib", calib, "--ratio", 0.5, "--format", "bits",
+                      "-o", tmp_path / "x"), "--accuracy or --max-kl", tmp_path / "x")

@@ -36,6 +36,14 @@ class BitRule:
     layer_k: tuple[float, ...] = ()  # per-layer multipliers of theta (sensitivity allocation); () = all 1
     layer_v: tuple[float, ...] = ()
 
+    @property
+    def r_k(self) -> float:  # the search's knob, recorded in the curve as r_k / r_v (plan/search.py)
+        return self.theta_k
+
+    @property
+    def r_v(self) -> float:
+        return self.theta_v
+
     def thetas(self, layer: int) -> tuple[float, float]:
         wk = self.layer_k[layer] if self.layer_k else 1.0
         wv = self.layer_v[layer] if self.layer_v else 1.0
@@ -53,6 +61,31 @@ class BitPlan:
         count = [[sum(b > 0 for b in head) for head in layer] for layer in self.k_bits]
         count_v = [[sum(b > 0 for b in head) for head in layer] for layer in self.v_bits]
         return RankPlan(d_k=count, d_v=count_v, head_dim=self.head_dim)
+
+    def key(self) -> tuple:
+        """Equal keys, equal caches (the search scores each once)."""
+        return tuple(tuple(tuple(map(tuple, layer)) for layer in side) for side in (self.k_bits, self.v_bits))
+
+    def bytes_per_token(self) -> int:
+        """Cached bytes per token, every layer's keys and values: codes and scales (kvfold_runtime.bands)."""
+        from kvfold_runtime.bands import bands_from_bits, row_bytes
+
+        return sum(row_bytes(bands_from_bits(head)) for side in (self.k_bits, self.v_bits) for layer in side
+                   for head in layer)
+
+    @property
+    def compression(self) -> float:
+        """p = 1 − cached bytes / the same cache in float16 (2 bytes per number): what a user compares with
+        fp16, fp8 (p = 0.5) or int4."""
+        fp16 = 2 * 2 * self.head_dim * sum(len(layer) for layer in self.k_bits)
+        return 1.0 - self.bytes_per_token() / fp16
+
+    def kept_bits(self) -> tuple[list, list]:
+        """Per layer, head and kept dim (zeros dropped): the manifest's and config.json's k_bits / v_bits."""
+        def kept(side):
+            return [[[b for b in head if b] for head in layer] for layer in side]
+
+        return kept(self.k_bits), kept(self.v_bits)
 
     def mean_bits(self) -> float:
         """Bits per stored number, averaged over every dim of K and V (dropped dims count 0); scales excluded."""

@@ -162,7 +162,10 @@ class Evaluator:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
         dtype = next(self.model.parameters()).dtype
         patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
-        patches = {i: p for i, p in patches.items() if p is not None}
+        return self.score_patches({i: p for i, p in patches.items() if p is not None}, compare)
+
+    def score_patches(self, patches: dict[int, AttentionPatch], compare: bool = True) -> Metrics:
+        """The model with `patches` around its layers' attention (e.g. plan.stored's quantized caches)."""
         if compare and self.reference is None:
             raise ValueError("this Evaluator keeps no reference (compare=False): score with compare=False")
         start = min(patches, default=len(self._layers)) if self._outputs is not None else 0

@@ -33,6 +33,10 @@ class RankPlan:
     d_v: list[list[int]]
     head_dim: int
 
+    def key(self) -> tuple:
+        """Equal keys, equal caches (the search scores each once)."""
+        return tuple(map(tuple, self.d_k)), tuple(map(tuple, self.d_v))
+
     @property
     def compression(self) -> float:
         """p = 1 − Σ(d_k + d_v) / Σ 2·head_dim over every layer and KV head."""

@@ -42,6 +42,10 @@ class Recipe(BaseModel):
     # definition). With ±0.3% standard error on 16K tokens, the point estimate alone lands under the
     # target on other text about half the time (measured: held-out 0.9885 for a 0.9906 search point).
     margin: float = Field(default=1.0, ge=0.0)
+    # rank: the cache stores k', v' at the chosen ranks in the model's dtype. bits: each kept dim in a band of
+    # 2–16 bits with per-token scales (plan/bits.py, kvfold_runtime.bands); ranks follow from the bits, so
+    # multiple and min_rank do not apply. Served by the transformers runtime only, so far.
+    format: Literal["rank", "bits"] = "rank"
 
     @model_validator(mode="before")
     @classmethod
@@ -56,6 +60,8 @@ class Recipe(BaseModel):
             raise ValueError("give exactly one of accuracy, ratio or max_kl")
         if (self.metric == "kl") != (self.max_kl is not None) and self.ratio is None:
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
+        if self.format == "bits" and self.ratio is not None:
+            raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
         return self
 
     def target(self) -> Target | None:

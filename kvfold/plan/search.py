@@ -2,7 +2,8 @@
 
 Candidates form a one-parameter family r ↦ RankRule(r_k = r, r_v = v_scale·r). The metric falls as r
 grows (in practice; the curve is recorded so it can be checked), so bisection on log r finds the edge.
-Ranks are piecewise constant in r, so candidates with the same ranks are scored once.
+Ranks are piecewise constant in r, so candidates with the same ranks are scored once. The bits format
+(plan/bits.py) is searched the same way over its θ: a plan is anything with `compression` and `key()`.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def search_rate(
     def point(r: float) -> CurvePoint:
         rr = rule(r)
         ranks = plan(rr)
-        key = (tuple(map(tuple, ranks.d_k)), tuple(map(tuple, ranks.d_v)))
+        key = ranks.key()
         if key not in seen:
             cand, base = score(ranks)
             seen[key] = CurvePoint.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)

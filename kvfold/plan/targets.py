@@ -6,13 +6,15 @@ import math
 from collections.abc import Callable
 
 from kvfold.errors import KVFoldError
+from kvfold.plan.bits import BitPlan, BitRule, plan_bits
 from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
 from kvfold.plan.search import CurvePoint, search_rate
+from kvfold.plan.stored import banded, compressed
 from kvfold.rewrite.factors import LayerBasis
 
-__all__ = ["for_accuracy", "for_compression"]
+__all__ = ["for_accuracy", "for_accuracy_bits", "for_compression"]
 
 
 def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
@@ -25,6 +27,27 @@ def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
 def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], RankRule],
                  progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
     return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, rule, progress=progress)
+
+
+def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], BitRule],
+                      progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
+    """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
+    on the cache it would store (band codes and scales, plan/stored.py)."""
+    from kvfold_runtime.bands import bands_from_bits
+
+    dtype = next(evaluator.model.parameters()).dtype
+
+    def score(plan: BitPlan):
+        patches = {}
+        for i, f in enumerate(factors_for(bases, plan.ranks())):
+            k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
+            v_bands = [bands_from_bits(h) for h in plan.v_bits[i]]
+            patches[i] = compressed(f, dtype, banded(k_bands), banded(v_bands))
+        return evaluator.score_patches(patches), evaluator.baseline
+
+    # θ from 1e-7 (about 8 bits for a head's average dim: int8-like) to 0.1 (nearly every dim dropped)
+    return search_rate(lambda rule_: plan_bits(bases, rule_), score, target, rule, r_lo=1e-7, r_hi=0.1,
+                       progress=progress)
 
 
 def for_compression(bases, evaluator: Evaluator, target: float,

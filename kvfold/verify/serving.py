@@ -47,15 +47,23 @@ def _live_cache(model, ids: torch.Tensor):
         return model(input_ids=ids, use_cache=True).past_key_values
 
 
-def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]]) -> int:
+def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]], k_bits: list | None = None,
+                      v_bits: list | None = None) -> int:
     """Bytes the export's cache must hold for the same tokens: in every layer, as many tokens as the
     original's layer holds (all of them, or a sliding window's last ones) at that layer's widths
-    Σd_k + Σd_v, in the same dtype. Equals (1 − p) × the original's bytes only when every layer holds
-    every token."""
+    Σd_k + Σd_v, in the same dtype — or, for a bits-format export, that layer's band rows (codes and
+    scales, kvfold_runtime.bands) per token. Equals (1 − p) × the original's bytes only when every layer
+    holds every token (and, for bits, the original's cache is float16)."""
     total = 0
-    for layer, k, v in zip(original_cache.layers, d_k, d_v, strict=True):
+    for i, (layer, k, v) in enumerate(zip(original_cache.layers, d_k, d_v, strict=True)):
         keys = layer.keys  # [B, H_kv, T_held, d]
-        total += keys.shape[0] * keys.shape[-2] * (sum(k) + sum(v)) * keys.element_size()
+        if k_bits is None:
+            per_token = (sum(k) + sum(v)) * keys.element_size()
+        else:
+            from kvfold_runtime.bands import bands_from_bits, row_bytes
+
+            per_token = sum(row_bytes(bands_from_bits(h)) for h in (*k_bits[i], *v_bits[i]))
+        total += keys.shape[0] * keys.shape[-2] * per_token
     return total
 
 
@@ -105,16 +113,17 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
     ids = first.ids[0][None]  # one evaluation window, [1, T]
     caches = {"original": _live_cache(original, ids), "exported": _live_cache(served, ids)}
     total = {k: require_runtime().kv_cache_bytes(c) for k, c in caches.items()}
-    expected = expected_kv_bytes(caches["original"], m.d_k, m.d_v)
+    expected = expected_kv_bytes(caches["original"], m.d_k, m.d_v, m.k_bits, m.v_bits)
     per_token = {k: v / ids.numel() for k, v in total.items()}
     report.kv_bytes_per_token = {k: int(v) if v == int(v) else v for k, v in per_token.items()}
     report.kv_bytes_ratio = total["exported"] / total["original"]
     report.expected_kv_bytes_ratio = expected / total["original"]
     report.checks.append(Check("kv_bytes", total["exported"] == expected,
                                f"{per_token['exported']:g} vs {per_token['original']:g} bytes per token in the live "
-                               f"cache = {report.kv_bytes_ratio:.4f}; expected from the manifest's ranks and the "
-                               f"tokens each layer holds {report.expected_kv_bytes_ratio:.4f} (1 − p = "
-                               f"{1 - m.chosen.compression:.4f})"))
+                               f"cache = {report.kv_bytes_ratio:.4f}; expected from the manifest's "
+                               f"{'bit bands' if m.k_bits else 'ranks'} and the tokens each layer holds "
+                               f"{report.expected_kv_bytes_ratio:.4f} (1 − p = {1 - m.chosen.compression:.4f}"
+                               f"{' of float16' if m.k_bits else ''})"))
     _generation(m, tokenizer, original, served, first, new_tokens, report)
 
 

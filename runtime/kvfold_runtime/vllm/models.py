@@ -34,9 +34,12 @@ def _check(vllm_config) -> None:
     try:
         if Path(model_config.model).is_dir():
             check_export(model_config.model)
-        model_dims(model_config.hf_config)
+        dims = model_dims(model_config.hf_config)
     except ValueError as e:
         raise refuse(str(e)) from None
+    if any(d.banded for d in dims):
+        raise refuse("kvfold's vLLM plugin does not serve bits-format exports yet (their cache stores bit "
+                     "bands); serve it with transformers, or export with --format rank")
 
 
 # Runs eagerly: vLLM's torch.compile analyses the opaque attention op by dispatching every torch call

@@ -1,0 +1,57 @@
+"""Attention on what a compressed cache stores, as a patch around a layer's attention call: the short
+k' = k B_g and v' = v A_v themselves (optionally through a quantizer, e.g. the bit bands of a bits-format
+export), queries q A_h, output o' B_hᵀ. Used to score bits-format candidates (export's search) and by
+the frontier benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvfold.calib.capture import AttentionPatch
+from kvfold.rewrite.factors import LayerFactors
+
+__all__ = ["banded", "compressed"]
+
+
+def _stack_padded(mats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Per-head [d, r_i] -> [heads, d, d], zero columns after r_i: every head keeps the full width,
+    and the zero tail adds nothing to any dot product."""
+    d = mats[0].shape[0]
+    return torch.stack([F.pad(m, (0, d - m.shape[1])) for m in mats]).to(dtype)
+
+
+def compressed(factors: LayerFactors, dtype: torch.dtype,
+               quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               quantize_v: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AttentionPatch:
+    """Attention on the compressed tensors themselves: q' = q A_h, k' = k B_g, v' = v A_v; the cache's
+    k' and v' pass through `quantize` (v' through `quantize_v` when given); the output o' B_hᵀ.
+    (plan.evaluate's patch is the same algebra without materialising k' and v', which is why a quantizer
+    needs this one.)"""
+    qa, kb = _stack_padded(factors.qk_a, dtype), _stack_padded(factors.qk_b, dtype)  # [H|H_kv, d, d]
+    va, ob = _stack_padded(factors.v_a, dtype), _stack_padded(factors.o_b, dtype)
+    keep_k = quantize or (lambda x: x)
+    keep_v = quantize_v or keep_k
+
+    def before(q, k, v):  # [B, H|H_kv, T, d]
+        return (torch.einsum("bhtd,hde->bhte", q, qa), keep_k(torch.einsum("bhtd,hde->bhte", k, kb)),
+                keep_v(torch.einsum("bhtd,hde->bhte", v, va)))
+
+    def after(out):  # [B, T, H, d]: o' (zero past d_v) -> o' B_hᵀ
+        return torch.einsum("bthe,hde->bthd", out, ob)
+
+    return AttentionPatch(before=before, after=after)
+
+
+def banded(bands: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [B, H_kv, T, d] -> what the bit-band cache gives back, head g stored in bands[g]
+    (kvfold_runtime.bands: per-token float16 scale per band, scale bytes counted by row_bytes)."""
+    from kvfold_runtime.bands import roundtrip
+
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([roundtrip(x[:, g], b) for g, b in enumerate(bands)], dim=1)
+
+    return quantize
