@@ -167,3 +167,20 @@ def test_a_bits_format_cache_stores_the_band_codes_and_attends_to_them(tiny_dirs
         assert layer.values.shape == (2, 1, 20, per_token[1])
     assert kvfold_runtime.kv_cache_bytes(cache) == 2 * 20 * sum(
         row_bytes(bands_from_bits(h)) for side in (m.k_bits, m.v_bits) for layer in side for h in layer)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_16_bit_bands_at_full_rank_are_exact_in_a_float16_model(tiny_dirs, tmp_path, arch):
+    """16-bit bands store float16: in a float16 model they give back k' and v' bit for bit, so the banded
+    full-rank export computes exactly what the plain full-rank export computes (which reproduces the
+    original: test_full_rank_export_reproduces_the_original). In a float32 model they round k', v' to
+    float16 (the other test above)."""
+    from tests.runtime.conftest import write_export
+
+    plain = write_export(arch, tiny_dirs[arch], tmp_path / "plain", "full")
+    wide = write_export(arch, tiny_dirs[arch], tmp_path / "16", "full", bits="16")
+    ids = _ids(5, (2, 16))
+    with torch.inference_mode():
+        want = AutoModelForCausalLM.from_pretrained(plain.path, dtype=torch.float16).eval()(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(wide.path, dtype=torch.float16).eval()(input_ids=ids).logits
+    assert torch.equal(got, want)
