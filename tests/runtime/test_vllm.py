@@ -119,13 +119,18 @@ def _edited_rank(folder):
     ("future schema", "kvfold schema version '2.0' is not 1.x"),
     ("edited rank", "config.json's kvfold ranks differ from kvfold.json's"),
     ("gemma2", "kvfold's vLLM plugin does not serve KVFoldGemma2ForCausalLM exports"),
+    ("bits format", "kvfold's vLLM plugin does not serve bits-format exports yet"),
 ])
-def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tmp_path, case, expected):
+def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_dirs, tmp_path, case, expected):
+    from tests.runtime.conftest import write_export
+
     base = tiny_exports["LlamaForCausalLM", "uneven"].path
     path = {"flipped byte": lambda: _tampered(base, tmp_path / "x", _flip_byte),
             "future schema": lambda: _tampered(base, tmp_path / "x", _future_schema),
             "edited rank": lambda: _tampered(base, tmp_path / "x", _edited_rank),
-            "gemma2": lambda: tiny_exports["Gemma2ForCausalLM", "full"].path}[case]()
+            "gemma2": lambda: tiny_exports["Gemma2ForCausalLM", "full"].path,
+            "bits format": lambda: write_export("LlamaForCausalLM", tiny_dirs["LlamaForCausalLM"], tmp_path / "bits",
+                                                "uneven", bits="low").path}[case]()
     got = run_engine(path, _prompts(1), max_tokens=2)
     assert "error" in got
     lines = [ln for ln in got["output"].splitlines() if "ERROR" in ln and "kvfold: " in ln]
