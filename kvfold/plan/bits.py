@@ -25,7 +25,9 @@ import torch
 from kvfold.plan.ranks import RankPlan
 from kvfold.rewrite.factors import LayerBasis
 
-__all__ = ["BitPlan", "BitRule", "dim_bits", "plan_bits"]
+__all__ = ["SCALE_BITS", "BitPlan", "BitRule", "dim_bits", "plan_bits", "theta_for_mean_bits"]
+
+SCALE_BITS = 16  # a band's per-token float16 scale (kvfold_runtime.bands.SCALE_BYTES), charged in the allocation
 
 
 @dataclass(frozen=True)
@@ -94,19 +96,43 @@ class BitPlan:
 
 
 def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...]) -> list[int]:
-    """One head's widths from its spectrum (descending σ): the argmin above for every dim."""
+    """One head's widths from its spectrum (descending σ): the non-increasing sequence b_0 ≥ b_1 ≥ … that
+    minimises Σ_j (λ̂_j·2^(−2b_j) + θ·b_j) + θ·SCALE_BITS·(bands below 16 bits) — the water-filling above,
+    charged for each band's per-token scale. Dynamic programming over (dim, width): a band opens where the
+    width steps down."""
     lam = spectrum.double() ** 2
     total = float(lam.sum())
     if total == 0.0:
         return [0] * len(spectrum)
-    out = []
+    ws = sorted(widths, reverse=True)
+    opening = [theta * SCALE_BITS if 0 < w < 16 else 0.0 for w in ws]
+    # cost[w]: the best cost of dims 0..j with dim j at width ws[w]; came[j][w]: dim j−1's width index
+    cost, came = None, []
     for x in (lam / total).tolist():
-        costs = [(x * 2.0 ** (-2 * b) + theta * b, -b) for b in widths]  # ties: more bits
-        out.append(-min(costs)[1])
-    # λ descending gives non-increasing widths already; enforce it against round-off in equal λ's
-    for j in range(1, len(out)):
-        out[j] = min(out[j], out[j - 1])
-    return out
+        own = [x * 2.0 ** (-2 * w) + theta * w for w in ws]
+        if cost is None:
+            cost = [own[i] + opening[i] for i in range(len(ws))]
+            came.append([i for i in range(len(ws))])
+            continue
+        new, back, best, best_i = [], [], math.inf, -1
+        for i in range(len(ws)):  # ws descending: the best of the wider widths so far, opening a band at i
+            stay = cost[i]
+            if best + opening[i] < stay:
+                new.append(own[i] + best + opening[i])
+                back.append(best_i)
+            else:
+                new.append(own[i] + stay)
+                back.append(i)
+            if cost[i] < best:
+                best, best_i = cost[i], i
+        cost = new
+        came.append(back)
+    i = min(range(len(ws)), key=lambda k: (cost[k], -ws[k]))
+    out = []
+    for back in reversed(came):
+        out.append(ws[i])
+        i = back[i]
+    return out[::-1]
 
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:

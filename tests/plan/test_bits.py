@@ -9,15 +9,27 @@ from kvfold.rewrite.factors import LayerBasis
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)
 
 
-def test_each_dim_gets_the_width_that_minimises_distortion_plus_theta_per_bit():
-    spectrum = torch.logspace(0, -3, 64, dtype=torch.float64)
-    lam = spectrum**2 / (spectrum**2).sum()
-    for theta in (1e-7, 1e-5, 1e-4, 1e-3, 1e-2):
+def _cost(bits, lam, theta):
+    """Distortion + θ·(code bits + scale bits of each band below 16 bits): what dim_bits minimises."""
+    from kvfold.plan.bits import SCALE_BITS
+
+    bands = {b for b in bits if 0 < b < 16}
+    codes = sum(x * 2.0 ** (-2 * b) + theta * b for x, b in zip(lam, bits, strict=True))
+    return codes + theta * SCALE_BITS * len(bands)
+
+
+def test_the_widths_minimise_distortion_plus_theta_per_code_and_scale_bit():
+    from itertools import combinations_with_replacement
+
+    spectrum = torch.tensor([3.0, 1.0, 0.5, 0.3, 0.1, 0.02], dtype=torch.float64)
+    lam = (spectrum**2 / (spectrum**2).sum()).tolist()
+    every = [sorted(c, reverse=True) for c in combinations_with_replacement(WIDTHS, len(lam))]  # non-increasing
+    for theta in (1e-7, 1e-5, 1e-4, 1e-3, 1e-2, 0.1):
         bits = dim_bits(spectrum, theta, WIDTHS)
         assert bits == sorted(bits, reverse=True)
-        brute = [min(WIDTHS, key=lambda b, x=float(x): (x * 2.0 ** (-2 * b) + theta * b, -b)) for x in lam]
-        assert bits == brute
-    means = [sum(dim_bits(spectrum, t, WIDTHS)) / 64 for t in (1e-14, 1e-6, 1e-4, 1e-2, 1.0)]
+        assert _cost(bits, lam, theta) == pytest.approx(min(_cost(b, lam, theta) for b in every), rel=1e-12)
+    wide = torch.logspace(0, -3, 64, dtype=torch.float64)
+    means = [sum(dim_bits(wide, t, WIDTHS)) / 64 for t in (1e-14, 1e-6, 1e-4, 1e-2, 1.0)]
     assert means == sorted(means, reverse=True) and means[0] == 16 and means[-1] == 0
     assert dim_bits(torch.zeros(4), 1e-3, WIDTHS) == [0, 0, 0, 0]
 
@@ -40,4 +52,5 @@ def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
     for bits in (2.0, 4.0, 6.0):
         theta = theta_for_mean_bits(bases, bits, WIDTHS)
         got = plan_bits(bases, BitRule(theta, theta, WIDTHS)).mean_bits()
-        assert got == pytest.approx(bits, abs=16 / (2 * 2 * 2 * 16))  # within one dim's 16 bits of the budget
+        # the most bits within the budget; a band opening moves several dims at once, so not exactly it
+        assert bits - 0.75 <= got <= bits
