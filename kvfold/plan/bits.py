@@ -5,14 +5,17 @@ In kvfold's bases the dims of a KV head are decorrelated and ordered by importan
 σ_j·E[e²] in the scores and dropping it costs σ_j²); for values the output-aware spectrum squared, the
 same proxy the rank rule uses. Storing dim j at b bits costs about λ_j·2^(−2b) (uniform quantization of
 a variance-λ number), dropping it λ_j. Reverse water-filling minimises Σ cost for a bit budget; over a
-discrete set of widths that is, for a multiplier θ, each dim's width
+discrete set of widths, for a multiplier θ, each head's widths minimise
 
-    b_j = argmin_b  λ̂_j · 2^(−2b) + θ · b        (b = 0 costs λ̂_j)
+    Σ_j λ̂_j · 2^(−2b_j) + θ · b_j   +   θ · 16 · (bands of 2..8 bits)
 
-with λ̂ the head's λ normalised to sum 1, so one θ means the same relative distortion in every head
-(as one removal rate r does for ranks). Larger θ, fewer bits; λ descending, so bits never increase
-along the dims and equal widths form contiguous bands (kvfold_runtime.bands). Per-layer sensitivity
-multipliers scale θ exactly as they scale r (plan/sensitivity.py). The accuracy search then runs over θ.
+with λ̂ the head's λ normalised to sum 1, so one θ means the same relative distortion in every head (as
+one removal rate r does for ranks), and the last term charges each band its per-token float16 scale
+(without it, SmolLM2 at 4 bits per number spent 0.089 of the fp16 bytes on scales; with it 0.032). Widths
+never increase along the dims (λ descending), so equal widths form contiguous bands
+(kvfold_runtime.bands); a dynamic programme over (dim, width) finds the exact minimum. Larger θ, fewer
+bits. Per-layer sensitivity multipliers scale θ exactly as they scale r (plan/sensitivity.py). The
+accuracy search then runs over θ.
 """
 
 from __future__ import annotations
