@@ -73,9 +73,9 @@ class BitPlan:
 
     def bytes_per_token(self) -> int:
         """Cached bytes per token, every layer's keys and values: codes and scales (kvfold_runtime.bands)."""
-        from kvfold_runtime.bands import bands_from_bits, row_bytes
+        from kvfold_runtime import band_row_bytes, bands_from_bits
 
-        return sum(row_bytes(bands_from_bits(head)) for side in (self.k_bits, self.v_bits) for layer in side
+        return sum(band_row_bytes(bands_from_bits(head)) for side in (self.k_bits, self.v_bits) for layer in side
                    for head in layer)
 
     @property

@@ -48,10 +48,10 @@ def compressed(factors: LayerFactors, dtype: torch.dtype,
 
 def banded(bands: list) -> Callable[[torch.Tensor], torch.Tensor]:
     """x [B, H_kv, T, d] -> what the bit-band cache gives back, head g stored in bands[g]
-    (kvfold_runtime.bands: per-token float16 scale per band, scale bytes counted by row_bytes)."""
-    from kvfold_runtime.bands import roundtrip
+    (kvfold_runtime.bands: per-token float16 scale per band, scale bytes counted by band_row_bytes)."""
+    from kvfold_runtime import band_roundtrip
 
     def quantize(x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([roundtrip(x[:, g], b) for g, b in enumerate(bands)], dim=1)
+        return torch.stack([band_roundtrip(x[:, g], b) for g, b in enumerate(bands)], dim=1)
 
     return quantize

@@ -33,7 +33,7 @@ def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callabl
                       progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
     """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
     on the cache it would store (band codes and scales, plan/stored.py)."""
-    from kvfold_runtime.bands import bands_from_bits
+    from kvfold_runtime import bands_from_bits
 
     dtype = next(evaluator.model.parameters()).dtype
 

@@ -60,9 +60,9 @@ def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]]
         if k_bits is None:
             per_token = (sum(k) + sum(v)) * keys.element_size()
         else:
-            from kvfold_runtime.bands import bands_from_bits, row_bytes
+            from kvfold_runtime import band_row_bytes, bands_from_bits
 
-            per_token = sum(row_bytes(bands_from_bits(h)) for h in (*k_bits[i], *v_bits[i]))
+            per_token = sum(band_row_bytes(bands_from_bits(h)) for h in (*k_bits[i], *v_bits[i]))
         total += keys.shape[0] * keys.shape[-2] * per_token
     return total
 

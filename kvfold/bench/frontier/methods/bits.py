@@ -29,7 +29,7 @@ class KVFoldBits:
     grid: tuple[float, ...] = (6.0, 5.0, 4.5, 4.0, 3.5, 3.0)
 
     def candidates(self, setup) -> Iterator[Candidate]:
-        from kvfold_runtime.bands import bands_from_bits, row_bytes
+        from kvfold_runtime import band_row_bytes, bands_from_bits
 
         bases = setup.bases("aware", "text")
         weights = setup.layer_weights()
@@ -41,7 +41,7 @@ class KVFoldBits:
             for i, f in enumerate(factors_for(bases, plan.ranks())):
                 k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
                 v_bands = [bands_from_bits(h) for h in plan.v_bits[i]]
-                stored += sum(map(row_bytes, k_bands)) + sum(map(row_bytes, v_bands))
+                stored += sum(map(band_row_bytes, k_bands)) + sum(map(band_row_bytes, v_bands))
                 patches[i] = compressed(f, setup.dtype, banded(k_bands), banded(v_bands))
             fp16 = 2 * 2 * plan.head_dim * sum(len(layer) for layer in plan.k_bits)  # K and V, 2 bytes each
             yield Candidate(bits, stored / fp16, patches)

@@ -41,13 +41,13 @@ class IntPerToken:
         return f"int{self.bits} KV, per-token scale"
 
     def candidates(self, setup) -> Iterator[Candidate]:
-        from kvfold_runtime.bands import Band, roundtrip, row_bytes
+        from kvfold_runtime import Band, band_roundtrip, band_row_bytes
 
         d = HeadLayout.from_config(setup.model.config).head_dim
         band = (Band(0, d, self.bits),)
         layers = len(setup.adapter.attention_modules(setup.model))
-        yield Candidate(float(self.bits), row_bytes(band) / (2 * d),
-                        {i: quantized_kv(lambda x: roundtrip(x, band)) for i in range(layers)})
+        yield Candidate(float(self.bits), band_row_bytes(band) / (2 * d),
+                        {i: quantized_kv(lambda x: band_roundtrip(x, band)) for i in range(layers)})
 
 
 def _asym(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
