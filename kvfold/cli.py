@@ -107,16 +107,20 @@ def verify(
     eval_text: Annotated[list[str] | None, typer.Option(help="Held-out text to compare on; repeat for several "
                                                         "[wiki:eval and pydoc:eval].")] = None,
     eval_tokens: Annotated[int, typer.Option(help="Tokens of each --eval-text to compare on.")] = 16384,
+    context: Annotated[int, typer.Option(help="Window length the texts are scored in (export's search: 512); "
+                                              "longer windows test the cache at long context.")] = 512,
+    passkey: Annotated[int, typer.Option(help="Passkey retrieval in prompts of this many tokens: the export must "
+                                              "retrieve every key the original does (0: skip).")] = 4096,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Check files, shapes, fidelity against the original and live KV-cache bytes. Exit 0 pass, 1 a check
-    failed, 2 bad input."""
+    """Check files, shapes, fidelity against the original, passkey retrieval and live KV-cache bytes. Exit 0
+    pass, 1 a check failed, 2 bad input."""
     from kvfold import api
     from kvfold.report import verify_table
 
     with user_errors():
         report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
-                            eval_tokens=eval_tokens)
+                            eval_tokens=eval_tokens, context=context, passkey=passkey)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

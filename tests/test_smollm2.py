@@ -145,12 +145,12 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     assert m.metric == "joint" and m.eval_text == "wiki:dev+pydoc:dev" and m.accuracy_target().met(m.chosen)
     assert m.chosen.compression >= 0.01  # it compresses (0.019 measured at these sizes)
     done = subprocess.run([sys.executable, "-m", "kvfold", "verify", str(tmp_path / "o"), "--json",
-                           "--eval-tokens", "4096"], capture_output=True, text=True)
+                           "--eval-tokens", "4096", "--passkey", "1024"], capture_output=True, text=True)
     assert done.returncode in (0, 1), done.stdout + done.stderr
     report = json.loads(done.stdout)
     checks = {c["name"]: c["ok"] for c in report["checks"]}
     assert set(checks) == {"manifest", "files", "config", "shapes", "loads", "target wiki:eval",
-                           "target pydoc:eval", "kv_bytes"}
+                           "target pydoc:eval", "kv_bytes", "passkey 1024"}
     assert all(ok for name, ok in checks.items() if name != "target pydoc:eval"), report["checks"]
     assert done.returncode == (0 if checks["target pydoc:eval"] else 1)
     wiki, pydoc = report["texts"]

@@ -50,6 +50,22 @@ def test_an_intact_export_passes(exported):
     gen = report["generation"]
     assert report["kv_bytes_ratio"] < 1 and len(gen["runs"]) == 4 and gen["forced_tokens"] == 4 * 32
     assert all(r["new_tokens"] == 32 for r in gen["runs"]) and 0 <= gen["forced_agreement"] <= 1
+    # the tiny model's 256 positions hold no passkey prompt: said, not failed
+    assert "context of 256 tokens is too short" in report["passkey"]["skipped"]
+
+
+def test_the_passkey_check_counts_the_keys_each_model_retrieves():
+    from kvfold.verify.report import VerifyReport
+    from kvfold.verify.serving import _passkey
+    from tests.conftest import build_tiny, tiny_tokenizer
+
+    model = build_tiny(LLAMA)
+    model.config.max_position_embeddings = 4096
+    report = VerifyReport(export="x")
+    _passkey(tiny_tokenizer(), model, model, 1024, report)
+    (check,) = report.checks
+    assert check.name == "passkey 1024" and check.ok and "needle at depths 0.1, 0.3, 0.5, 0.7, 0.9" in check.detail
+    assert report.passkey["original"] == report.passkey["exported"] and report.passkey["exported"]["prompts"] == 10
 
 
 def _failed(result) -> dict[str, str]:

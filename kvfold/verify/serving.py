@@ -11,7 +11,9 @@ import torch
 
 from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Manifest
+from kvfold.errors import KVFoldError
 from kvfold.plan.evaluate import Reference, score_model
+from kvfold.plan.passkey import passkey_hits, passkey_prompts, passkey_summary
 from kvfold.plan.search import CurvePoint
 from kvfold.sources.models import ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
@@ -19,7 +21,7 @@ from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify.report import Check, VerifyReport
 from kvfold.verify.runtime import require_runtime
 
-__all__ = ["HELD_OUT_SIGMAS", "SAME_TEXT_TOLERANCE", "expected_kv_bytes", "serving_checks"]
+__all__ = ["HELD_OUT_SIGMAS", "SAME_TEXT_TOLERANCE", "SEARCH_CONTEXT", "expected_kv_bytes", "serving_checks"]
 
 # Same text and tokens as the export's search: only numerics differ (the search scored the
 # projections patched into the original; here the baked weights run), so the ratios must agree to
@@ -32,6 +34,7 @@ HELD_OUT_SIGMAS = 2.0
 # within this many combined standard errors.
 SIGMAS = 3.0
 PROMPTS, PROMPT_TOKENS = 4, 24  # greedy generations compared, from the first evaluation text
+SEARCH_CONTEXT = 512  # the window length export's search scores (calib.tokens windows)
 
 
 def load_served(directory: Path):
@@ -85,8 +88,9 @@ def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> l
 
 
 def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: VerifyReport, eval_texts: list[str],
-                   eval_tokens: int, new_tokens: int = 32) -> None:
-    """Fill `report` with the served export's figures and checks."""
+                   eval_tokens: int, context: int = SEARCH_CONTEXT, passkey: int = 0, new_tokens: int = 32) -> None:
+    """Fill `report` with the served export's figures and checks: windows of `context` tokens, passkey
+    prompts of `passkey` tokens (0: none)."""
     if weights_sha256(against.path) != m.source.weights_sha256:
         report.checks.append(Check("against", False, f"{against.path} is not the model this was exported from "
                                                      "(weights sha256 differ); pass --against the source"))
@@ -99,16 +103,19 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
 
     first = None
     for text in eval_texts:
-        windows = text_sequences(tokenizer, resolve_text(text), eval_tokens, 512, seed=0)
+        windows = text_sequences(tokenizer, resolve_text(text), eval_tokens, context, seed=0)
         first = first or windows
         reference = Reference([], [])
-        base = score_model(original, windows, keep=reference)
-        point = CurvePoint.measured(0.0, 0.0, m.chosen.compression, score_model(served, windows, against=reference),
-                                    base)
-        report.texts.append({"eval_text": text, "tokens": base.tokens, "baseline_top1": base.top1,
+        batch = max(1, 2048 // context)  # the logits of 2,048 tokens at a time (400 MB at SmolLM2's vocabulary)
+        base = score_model(original, windows, batch, keep=reference)
+        point = CurvePoint.measured(0.0, 0.0, m.chosen.compression,
+                                    score_model(served, windows, batch, against=reference), base)
+        report.texts.append({"eval_text": text, "context": context, "tokens": base.tokens, "baseline_top1": base.top1,
                              "baseline_ppl": base.ppl, **{k: v for k, v in asdict(point).items()
                                                           if k not in ("r_k", "r_v", "compression")}})
-        report.checks.append(_fidelity(m, text, base.tokens, point))
+        report.checks.append(_fidelity(m, text, base.tokens, point, same_windows=context == SEARCH_CONTEXT))
+    if passkey:
+        _passkey(tokenizer, original, served, passkey, report)
 
     ids = first.ids[0][None]  # one evaluation window, [1, T]
     caches = {"original": _live_cache(original, ids), "exported": _live_cache(served, ids)}
@@ -127,11 +134,32 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
     _generation(m, tokenizer, original, served, first, new_tokens, report)
 
 
-def _fidelity(m: Manifest, text: str, tokens: int, now: CurvePoint) -> Check:
-    """Same text as the search: the recorded figures again. Other text: the target holds (within
+def _passkey(tokenizer, original, served, context: int, report: VerifyReport) -> None:
+    """Passkey retrieval at `context` tokens, or the model's whole context if shorter (plan/passkey.py): the
+    export must retrieve every key the original does. Skipped, and said so, where the model's context
+    has no room for the task."""
+    context = min(context, getattr(original.config, "max_position_embeddings", None) or context)
+    try:
+        prompts = passkey_prompts(tokenizer, context)
+    except KVFoldError as e:
+        report.passkey = {"skipped": f"the model's context of {context} tokens is too short ({e})"}
+        return
+    hits = {"original": passkey_hits(original, prompts), "exported": passkey_hits(served, prompts)}
+    report.passkey = {k: passkey_summary(prompts, h) for k, h in hits.items()}
+    lost = sum(a and not b for a, b in zip(hits["original"], hits["exported"], strict=True))
+    n, got = len(prompts), {k: sum(h) for k, h in hits.items()}
+    depths = ", ".join(report.passkey["exported"]["by_depth"])
+    report.checks.append(Check(
+        f"passkey {context}", lost == 0,
+        f"keys retrieved at {len(prompts[0].ids)} tokens, needle at depths {depths}: export {got['exported']}/{n}, "
+        f"original {got['original']}/{n}" + (f"; {lost} the original retrieves are lost" if lost else "")))
+
+
+def _fidelity(m: Manifest, text: str, tokens: int, now: CurvePoint, same_windows: bool = True) -> Check:
+    """Same text and windows as the search: the recorded figures again. Other text: the target holds (within
     HELD_OUT_SIGMAS standard errors); without a target, the recorded top-1 ratio within SIGMAS."""
     rec, target = m.chosen, m.accuracy_target()
-    if text == m.eval_text and tokens == m.eval_tokens:
+    if text == m.eval_text and tokens == m.eval_tokens and same_windows:
         tol = max(SAME_TEXT_TOLERANCE, 2 / tokens)
         ok = abs(now.top1_ratio - rec.top1_ratio) <= tol and abs(now.ppl_ratio - rec.ppl_ratio) <= tol
         return Check(f"fidelity {text}", ok, f"top-1 ratio {now.top1_ratio:.4f}, perplexity ratio {now.ppl_ratio:.4f} "

@@ -9,7 +9,7 @@ from kvfold.sources.models import resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.verify.integrity import integrity_checks
 from kvfold.verify.report import VerifyReport
-from kvfold.verify.serving import serving_checks
+from kvfold.verify.serving import SEARCH_CONTEXT, serving_checks
 
 __all__ = ["verify"]
 
@@ -18,14 +18,19 @@ DEFAULT_TEXTS = ("wiki:eval", "pydoc:eval")  # held-out text of the search's dom
 
 
 def verify(export: Path, against: str | None = None, eval_texts: list[str] | tuple[str, ...] = DEFAULT_TEXTS,
-           eval_tokens: int = 16384) -> VerifyReport:
-    """Raises KVFoldError for bad input (not an export, source model not found); failed checks are in
-    the report."""
+           eval_tokens: int = 16384, context: int = SEARCH_CONTEXT, passkey: int = 4096) -> VerifyReport:
+    """Scores `eval_tokens` of each text in windows of `context` tokens, and passkey retrieval in prompts
+    of `passkey` tokens (0: skip). Raises KVFoldError for bad input (not an export, source model not
+    found); failed checks are in the report."""
     export = Path(export)
     if not export.is_dir():
         raise KVFoldError(f"'{export}' is not a directory; pass the output of kvfold export")
     if eval_tokens < 2:
         raise KVFoldError("--eval-tokens must be at least 2")
+    if context < 2:
+        raise KVFoldError("--context must be at least 2 tokens")
+    if 0 < passkey < 256:
+        raise KVFoldError("--passkey must be 0 (skip) or at least 256 tokens")
     if not eval_texts:
         raise KVFoldError("give at least one --eval-text")
     for text in eval_texts:
@@ -40,5 +45,5 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
                           "pass --against MODEL")
     ref = resolve_model(spec)
     report.against = str(ref.path)
-    serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens)
+    serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens, context, passkey)
     return report

@@ -1,0 +1,85 @@
+"""Passkey retrieval: can the model still find a number it read thousands of tokens ago?
+
+KV compression matters at long context, where scored 512-token windows say little. Each prompt is about
+`context` tokens: the standard passkey task (Mohtashami & Jaggi 2023, as LongLoRA and others run it) — a
+repeated filler paragraph with one sentence naming a five-digit pass key hidden at a given depth (a
+fraction of the way in), then the question. Real text as the filler is harder than a 135M model can do:
+measured 2026-11-24, SmolLM2-135M-Instruct retrieves 0 of 10 keys hidden in wiki:eval text at 1,024
+tokens (0 of 3 with its chat template), and 3 of 3 in the standard filler at 4,096 — a check the original
+fails tells nothing about the export.
+
+The model retrieves the key when its greedy answer is the key's tokens. Greedy decoding writes the answer
+iff at every answer position the argmax, given the prompt and the answer so far, is the answer's next
+token — so one forward pass over prompt + answer scores a prompt exactly as generation would, with or
+without a cache, and works for the frontier's patched attention as for a served export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvfold.errors import KVFoldError
+
+__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_hits", "passkey_prompts", "passkey_summary"]
+
+INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\nWhat is the pass key? The pass key is"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the needle sits, as a fraction of the filler
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    ids: torch.Tensor  # [T] int64: filler with the needle, the question, then the answer
+    answer: int  # the answer's token count; they are the last `answer` ids
+    depth: float
+    key: int
+
+
+def passkey_prompts(tokenizer, context: int, depths: tuple[float, ...] = DEPTHS, per_depth: int = 2,
+                    seed: int = 0) -> list[PasskeyPrompt]:
+    """len(depths) × per_depth prompts of about `context` tokens (within one filler paragraph), seeded keys."""
+    rng = np.random.default_rng(seed)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    question, filler, intro = ids(QUESTION), ids(FILLER), ids(INTRO)
+    prompts = []
+    for depth in (d for d in depths for _ in range(per_depth)):
+        key = int(rng.integers(10000, 100000))
+        needle, with_answer = ids(NEEDLE.format(key=key)), ids(QUESTION + f" {key}")
+        if with_answer[:len(question)] != question:
+            raise AssertionError("the tokenizer splits the question differently before an answer")
+        repeats = (context - len(intro) - len(needle) - len(with_answer)) // len(filler)
+        if repeats < 2:
+            raise KVFoldError(f"--passkey {context} leaves no room for text around the key; give at least 256")
+        before = round(depth * repeats)
+        prompt = intro + filler * before + needle + filler * (repeats - before) + with_answer
+        prompts.append(PasskeyPrompt(ids=torch.tensor(prompt, dtype=torch.long),
+                                     answer=len(with_answer) - len(question), depth=depth, key=key))
+    return prompts
+
+
+def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:
+    """Whether greedy decoding after each prompt's question writes its key (one forward pass each, the
+    logits only at the answer's positions)."""
+    hits = []
+    with torch.inference_mode():
+        for p in prompts:
+            logits = model(input_ids=p.ids[None], use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1]
+            hits.append(bool(torch.equal(logits.argmax(-1), p.ids[-p.answer:])))
+    return hits
+
+
+def passkey_summary(prompts: list[PasskeyPrompt], hits: list[bool]) -> dict:
+    """Retrieved keys in all and per depth, for reports."""
+    depths = sorted({p.depth for p in prompts})
+    return {"context": len(prompts[0].ids) if prompts else 0, "prompts": len(prompts), "retrieved": sum(hits),
+            "by_depth": {f"{d:g}": sum(h for p, h in zip(prompts, hits, strict=True) if p.depth == d)
+                         for d in depths}}

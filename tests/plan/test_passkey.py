@@ -1,0 +1,42 @@
+"""Passkey prompts (plan/passkey.py): their layout, and one forward pass scoring them as greedy decoding would."""
+
+import pytest
+import torch
+
+from kvfold.errors import KVFoldError
+from kvfold.plan.passkey import DEPTHS, FILLER, PasskeyPrompt, passkey_hits, passkey_prompts, passkey_summary
+from tests.conftest import build_tiny, tiny_tokenizer
+
+
+def test_prompts_hide_a_seeded_key_at_each_depth_and_end_with_its_answer():
+    tok = tiny_tokenizer()  # one token per byte: lengths and positions are exact
+    prompts = passkey_prompts(tok, 2048)
+    assert [p.depth for p in prompts] == [d for d in DEPTHS for _ in range(2)]
+    assert [p.key for p in prompts] == [p.key for p in passkey_prompts(tok, 2048)]  # seeded
+    assert len({p.key for p in prompts}) == len(prompts)
+    for p in prompts:
+        text = tok.decode(p.ids)
+        assert 2048 - len(FILLER) < len(p.ids) <= 2048
+        assert text.endswith(f"The pass key is {p.key}") and p.answer == len(f" {p.key}")
+        assert text.count(str(p.key)) == 3  # twice in the needle, once as the answer
+        where = text.index(f"The pass key is {p.key}.") / len(text)
+        assert abs(where - p.depth) < 0.06
+    with pytest.raises(KVFoldError, match="give at least 256"):
+        passkey_prompts(tok, 200)
+
+
+def test_one_forward_pass_scores_a_prompt_as_greedy_decoding_would():
+    model = build_tiny("LlamaForCausalLM")
+    prompt = passkey_prompts(tiny_tokenizer(), 512)[0]
+    question = prompt.ids[:-prompt.answer]
+    with torch.inference_mode():
+        greedy = model.generate(question[None], max_new_tokens=prompt.answer, do_sample=False,
+                                min_new_tokens=prompt.answer)[0, len(question):]
+    # the answer the model writes is retrieved; change any one of its tokens and it is not
+    right = PasskeyPrompt(torch.cat([question, greedy]), prompt.answer, prompt.depth, prompt.key)
+    wrong = [PasskeyPrompt(torch.cat([question, greedy.clone().index_fill_(0, torch.tensor([i]),
+                                                                              (int(greedy[i]) + 1) % 256)]),
+                           prompt.answer, prompt.depth, prompt.key) for i in range(prompt.answer)]
+    assert passkey_hits(model, [right, *wrong]) == [True] + [False] * prompt.answer
+    summary = passkey_summary([right, *wrong], [True] + [False] * prompt.answer)
+    assert summary["retrieved"] == 1 and summary["by_depth"] == {f"{prompt.depth:g}": 1}
