@@ -28,7 +28,11 @@ def frontier(
                                                      "peers, no ablations, on the others].")] = None,
     accuracy: Annotated[float, typer.Option(help="The top-1 ratio the compression is read off at.")] = 0.99,
     eval_text: Annotated[str, typer.Option(help="Held-out text every point is scored on.")] = "wiki:eval",
-    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text (512-token windows).")] = 6144,
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text, in windows of --context.")] = 6144,
+    context: Annotated[int, typer.Option(help="Window length every point is scored in (calibration stays at "
+                                         "512).")] = 512,
+    passkey: Annotated[int, typer.Option(help="Also passkey retrieval in prompts of this many tokens: the original "
+                                         "and each method's best point at the target (0: skip).")] = 0,
     calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens per calibration.")] = 8192,
     sensitivity_tokens: Annotated[int, typer.Option(help="wiki:dev tokens for kvfold's layer costs.")] = 512,
     multiple: Annotated[int, typer.Option(help="Round every rank up to a multiple of this (1: any width, as "
@@ -43,7 +47,8 @@ def frontier(
 
     with user_errors():
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
-                                calib_tokens, sensitivity_tokens, multiple, json_out, png)
+                                calib_tokens, sensitivity_tokens, multiple, json_out, png, context=context,
+                                passkey=passkey)
     err.print(frontier_table(report))
     if json_out is None:
         print(json.dumps(report, indent=2))

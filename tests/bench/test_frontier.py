@@ -56,10 +56,30 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "f.png"]  # no temp files left
 
 
+def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path):
+    import shutil
+
+    model = tmp_path / "long"  # the tiny Llama with room for 1,024-token prompts (RoPE takes any position)
+    shutil.copytree(tiny_dirs["LlamaForCausalLM"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    out = tmp_path / "f.json"
+    res = CliRunner().invoke(app, [
+        "bench", "frontier", "--model", str(model), "--method", "fp8", "--accuracy", "0.5", "--context", "1024",
+        "--passkey", "1024", "--eval-tokens", "2048", "--calib-tokens", "1024", "--sensitivity-tokens", "512",
+        "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (m,) = json.loads(out.read_text())["models"]
+    assert m["context"] == 1024 and m["eval_tokens"] == 2048 - 2  # two 1,024-token windows
+    assert m["passkey_original"]["prompts"] == 10 and 1000 < m["passkey_original"]["context"] <= 1024
+    (fp8,) = m["methods"]
+    assert fp8["passkey_at_best_passing"]["kv_fraction"] == 0.5 and fp8["passkey_at_best_passing"]["prompts"] == 10
+
+
 @pytest.mark.parametrize("args, message", [
     (["--method", "nope"], "unknown method nope"),
     (["--json", "/nonexistent/x.json"], "does not exist"),
-    (["--eval-tokens", "512"], "at least 1024"),
+    (["--eval-tokens", "512"], "at least twice --context"),
     (["--accuracy", "1.5"], "--accuracy must be in (0, 1]"),
     (["--multiple", "0"], "--multiple at least 1"),
     (["--model", "/nonexistent"], "does not exist"),

@@ -20,14 +20,16 @@ __all__ = ["bench_frontier"]
 
 def bench_frontier(models: list[str], methods: list[str] | None, target: float, eval_text: str, eval_tokens: int,
                    calib_tokens: int, sensitivity_tokens: int, multiple: int, json_path: Path | None,
-                   png_path: Path | None) -> dict:
+                   png_path: Path | None, context: int = 512, passkey: int = 0) -> dict:
     """Run the frontier and write its JSON and PNG (each atomically; nothing is written on failure)."""
     get_methods(list(methods or []))  # bad names and paths fail before any work
     for spec in models:
         resolve_model(spec)
     check_paths(json_path, png_path)
-    if eval_tokens < 1024:
-        raise KVFoldError("--eval-tokens must be at least 1024 (two 512-token windows give a standard error)")
+    if context < 2 or eval_tokens < 2 * context:
+        raise KVFoldError("--eval-tokens must be at least twice --context (two windows give a standard error)")
+    if 0 < passkey < 256:
+        raise KVFoldError("--passkey must be 0 (skip) or at least 256 tokens")
     if not 0.0 < target <= 1.0:
         raise KVFoldError(f"--accuracy must be in (0, 1], got {target}")
     if calib_tokens < 1024 or sensitivity_tokens < 1 or multiple < 1:
@@ -35,6 +37,6 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
     if png_path is not None:
         pyplot()  # a missing plotting library fails now, not after the sweep
     report = run_frontier(models, methods, target, eval_text, eval_tokens, calib_tokens, sensitivity_tokens,
-                          multiple)
+                          multiple, context=context, passkey=passkey)
     write_outputs(report, json_path, png_path, draw)
     return report

@@ -14,6 +14,7 @@ from kvfold.calib.artifact import CalibStats
 from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, text_sequences
 from kvfold.plan.evaluate import Evaluator, Metrics, Reference, score_model
+from kvfold.plan.passkey import passkey_hits, passkey_prompts, passkey_summary
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.rewrite.factors import LayerBasis, get_method
 from kvfold.rewrite.weights import o_proj_heads
@@ -43,6 +44,8 @@ class Setup:
     calib_tokens: int = 8192
     sensitivity_tokens: int = 512  # wiki:dev: costs are never measured on the text that is scored
     multiple: int = 1
+    context: int = 512  # the scored windows' length (calibration and sensitivity windows stay at seq_len)
+    passkey: int = 0  # passkey prompt length (plan/passkey.py); 0: none
     ref: ModelRef = field(init=False)
     model: nn.Module = field(init=False)
     windows: Sequences = field(init=False)
@@ -55,11 +58,15 @@ class Setup:
         self.model = load_model(self.ref)
         self.tokenizer = load_tokenizer(self.ref.path)
         # 512-token windows, or the model's whole context if shorter
-        self.seq_len = min(512, getattr(self.model.config, "max_position_embeddings", None) or 512)
-        self.windows = text_sequences(self.tokenizer, resolve_text(self.eval_text), self.eval_tokens, self.seq_len,
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 512
+        self.seq_len, self.context = min(512, limit), min(self.context, limit)
+        self.passkey = min(self.passkey, limit)
+        self._prompts = passkey_prompts(self.tokenizer, self.passkey) if self.passkey else []  # bad sizes fail now
+        self.windows = text_sequences(self.tokenizer, resolve_text(self.eval_text), self.eval_tokens, self.context,
                                       seed=0)
+        self.batch = max(1, 2048 // self.context)  # the logits of 2,048 tokens at a time
         self.reference = Reference([], [])
-        self.baseline = score_model(self.model, self.windows, keep=self.reference)
+        self.baseline = score_model(self.model, self.windows, self.batch, keep=self.reference)
 
     @property
     def adapter(self):
@@ -75,7 +82,15 @@ class Setup:
         `proj_maps` on k/v_proj."""
         with patched(self.model, self.adapter, patches), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
-            return score_model(self.model, self.windows, against=self.reference)
+            return score_model(self.model, self.windows, self.batch, against=self.reference)
+
+    def passkey_score(self, patches: dict[int, AttentionPatch],
+                      proj_maps: dict[tuple[int, str], ProjMap] | None = None) -> dict:
+        """Passkey keys retrieved (plan/passkey.py) with `patches` and `proj_maps`, as `score` runs."""
+        prompts = self._prompts
+        with patched(self.model, self.adapter, patches), \
+                mapped_projections(self.model, self.adapter, proj_maps or {}):
+            return passkey_summary(prompts, passkey_hits(self.model, prompts))
 
     def once(self, key, build):
         if key not in self._cache:

@@ -58,9 +58,10 @@ def at_target(points: list[Point], target: float, origin: Point | None, joint: b
     return prev.kv_fraction  # never fell under: at least this much (the JSON says so)
 
 
-def _run(method: Method, setup: Setup) -> list[Point]:
-    points = []
+def _run(method: Method, setup: Setup) -> tuple[list[Point], list]:
+    points, cands = [], []
     for cand in method.candidates(setup):
+        cands.append(cand)
         t0 = time.perf_counter()
         m = setup.score(cand.patches, cand.proj_maps)
         b = setup.baseline
@@ -69,7 +70,19 @@ def _run(method: Method, setup: Setup) -> list[Point]:
         log.info("%s %s: %s=%g  KV %.4f of fp16  top-1 ratio %.4f ± %.4f  ppl ratio %.4f  KL %.5f  (%.0f s)",
                  setup.spec, method.name, method.knob, cand.knob, cand.kv_fraction, points[-1].top1_ratio,
                  points[-1].top1_se, points[-1].ppl_ratio, points[-1].kl, time.perf_counter() - t0)
-    return points
+    return points, cands
+
+
+def _passkey(setup: Setup, points: list[Point], cands: list, target: float) -> dict:
+    """With --passkey: keys retrieved at the method's smallest measured point that keeps the top-1 target."""
+    if not setup.passkey:
+        return {}
+    best = min((i for i, p in enumerate(points) if p.top1_ratio >= target), key=lambda i: points[i].kv_fraction,
+               default=None)
+    if best is None:
+        return {"passkey_at_best_passing": None}
+    return {"passkey_at_best_passing": {"kv_fraction": points[best].kv_fraction,
+                                        **setup.passkey_score(cands[best].patches, cands[best].proj_maps)}}
 
 
 def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict]:
@@ -80,7 +93,8 @@ def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict
             method.check(setup.adapter)
     for method in methods:
         t0 = time.perf_counter()
-        points = done[method.name] = _run(method, setup)
+        points, cands = _run(method, setup)
+        done[method.name] = points
         origin = None
         if method.origin is not None:
             if method.origin not in done:
@@ -99,6 +113,7 @@ def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict
             "every_point_passes": len(passing) == len(points),
             "best_measured_passing": None if not passing else asdict(min(passing, key=lambda p: p.kv_fraction)),
             "points": [asdict(p) for p in points],
+            **_passkey(setup, points, cands, target),
             "seconds": round(time.perf_counter() - t0, 1),
         })
     return rows
