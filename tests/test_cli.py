@@ -172,6 +172,10 @@ def test_ctrl_c_mid_run_leaves_nothing(command, tiny_dirs, tmp_path):
     finally:
         proc.kill()  # never leave a 50M-token run behind when the test fails
     assert proc.returncode == 2, stderr
+    # Export prints a plain line per stage when stderr is not a terminal (issue 12); the interruption must end
+    # the run with exactly one error line after them, and no traceback.
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    assert lines == ["error: interrupted; no output was written"], stderr
+    assert lines[-1] == "error: interrupted; no output was written", stderr
+    assert all(ln.startswith(f"{command} [") for ln in lines[:-1]), stderr
+    assert "Traceback" not in stderr
     assert not out.exists() and not list(tmp_path.glob(".out*"))
