@@ -81,6 +81,9 @@ def export(
                                                  "unfavourable side [1].")] = None,
     format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks, default) or bits (each "
                                                "kept dim stored at 2–16 bits; transformers runtime only).")] = None,
+    context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
+                                                "to keys at every position up to it [the model's max_position_"
+                                                "embeddings]; 0: as calibrated, positions 0–511.")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
@@ -93,7 +96,7 @@ def export(
         options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
-            allocation=allocation, format=format))
+            allocation=allocation, format=format, context=context))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))
@@ -110,7 +113,7 @@ def verify(
     context: Annotated[int, typer.Option(help="Window length the texts are scored in (export's search: 512); "
                                               "longer windows test the cache at long context.")] = 512,
     passkey: Annotated[int, typer.Option(help="Passkey retrieval in prompts of this many tokens: the export must "
-                                              "retrieve every key the original does (0: skip).")] = 4096,
+                                              "retrieve as many keys as the original (0: skip).")] = 4096,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Check files, shapes, fidelity against the original, passkey retrieval and live KV-cache bytes. Exit 0

@@ -27,6 +27,7 @@ from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.plan.targets import for_accuracy, for_accuracy_bits, for_compression
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
+from kvfold.rewrite.factors.positions import PositionAveraged, rope_frequencies
 from kvfold.rewrite.weights import o_proj_heads
 from kvfold.sources.models import load_model, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
@@ -61,7 +62,11 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
     with atomic_dir(Path(output), force=force) as tmp:
         net = load_model(ref)
         method = get_method(recipe.method)
-        bases = [method.basis(stats, i, o_proj_heads(net, ref.adapter, i))
+        positions = _positions(recipe, previous, net, ref.adapter.rope)
+        fitted = stats
+        if positions:  # RoPE: the statistics of every position up to the context, not only 0–511
+            fitted = PositionAveraged(stats, rope_frequencies(net, stats.header.model.num_layers), positions)
+        bases = [method.basis(fitted, i, o_proj_heads(net, ref.adapter, i))
                  for i in range(stats.header.model.num_layers)]
 
         windows = None if previous else text_sequences(load_tokenizer(ref.path), docs, recipe.eval_tokens, 512,
@@ -125,7 +130,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             target_level=None if target is None else target.level, margin=0.0 if target is None else target.margin,
             rounding_multiple=1 if bits else recipe.multiple, min_rank=0 if bits else recipe.min_rank,
             head_dim=h.model.head_dim, k_bits=k_bits, v_bits=v_bits,
-            allocation=recipe.allocation, **_weight_fields(weights),
+            allocation=recipe.allocation, positions=positions, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
             chosen=Point.model_validate(best.to_dict()), curve=[Point.model_validate(p.to_dict()) for p in curve],
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
@@ -182,6 +187,19 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
             raise KVFoldError(f"--reuse-curve: '{path}' was searched with a different {what}; "
                               "export without --reuse-curve")
     return prev
+
+
+def _positions(recipe: Recipe, previous: Manifest | None, net, rope: bool) -> int | None:
+    """The context the query/key statistics are averaged over: None for a model without RoPE or --context 0;
+    a reused curve keeps its own."""
+    if previous is not None:
+        if recipe.context is not None and (recipe.context or None) != previous.positions:
+            raise KVFoldError(f"--reuse-curve: that export was fitted for --context {previous.positions or 0}; "
+                              "export without --reuse-curve, or drop --context")
+        return previous.positions
+    if not rope or recipe.context == 0:
+        return None
+    return recipe.context or net.config.get_text_config().max_position_embeddings
 
 
 def _pick(curve: list[CurvePoint], recipe: Recipe, target: Target | None) -> CurvePoint:

@@ -5,6 +5,7 @@ import math
 import os
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from kvfold.checkpoint.manifest import Manifest
@@ -186,6 +187,24 @@ def test_full_rank_export_from_disk_reproduces_logits(arch, tiny_dirs, tmp_path)
         got = model(input_ids=ids).logits
         want = original(input_ids=ids).logits
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_rope_statistics_are_averaged_over_the_context(setup, tmp_path):
+    """RoPE models are fitted to every position up to the model's context by default (--context sets it, 0
+    keeps the calibration's positions); the manifest records it, and a reused curve keeps its own."""
+    runs = {"default": (), "short": ("--context", 1024), "as calibrated": ("--context", 0)}
+    k_post = {}
+    for name, extra in runs.items():
+        assert _export(setup, tmp_path / name, "--ratio", 0.25, *extra).exit_code == 0
+        m = Manifest.load(tmp_path / name)
+        assert m.positions == {"default": 256, "short": 1024, "as calibrated": None}[name]
+        tensors = {k: v for f in sorted((tmp_path / name).glob("*.safetensors")) for k, v in load_file(f).items()}
+        k_post[name] = next(v for k, v in sorted(tensors.items()) if k.endswith("kvfold_k_post"))
+    # other statistics, other post-RoPE key projections
+    assert k_post["default"].shape != k_post["as calibrated"].shape or \
+        not torch.allclose(k_post["default"], k_post["as calibrated"], atol=1e-3)
+    mismatch = _export(setup, tmp_path / "m", "--ratio", 0.25, "--context", 0, "--reuse-curve", tmp_path / "default")
+    assert_user_error(mismatch, "was fitted for --context 256", tmp_path / "m")
 
 
 def test_reuse_curve_evaluates_nothing(setup, tmp_path, monkeypatch):

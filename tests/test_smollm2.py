@@ -160,6 +160,30 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     assert report["kv_bytes_ratio"] == pytest.approx(1 - m.chosen.compression, abs=1e-12)
 
 
+def test_position_averaged_factors_keep_long_context_retrieval(smollm2, tmp_path):
+    """rewrite/factors/positions.py: an export fitted to the calibration's 512-token windows (--context 0)
+    loses the pass keys the original retrieves at 1,024 tokens; fitted to every position of the model's 8K
+    context (the default) it keeps them. Measured 2026-11-25 with these options: 0/10 and 8/10 keys, the
+    original 6/10. (The default 0.99 export, before the fix: 1/10 at 4,096 tokens, the original 10/10.)"""
+    from transformers import AutoModelForCausalLM
+
+    import kvfold_runtime  # noqa: F401  (registers the KVFold classes)
+    from kvfold.plan.passkey import passkey_hits, passkey_prompts
+    from kvfold.sources.models import load_model, resolve_model
+    from kvfold.sources.tokenizer import load_tokenizer
+
+    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=8192)
+    prompts = passkey_prompts(load_tokenizer(smollm2), 1024)
+    hits = {"original": sum(passkey_hits(load_model(resolve_model("smollm2")), prompts))}
+    for name, context in (("as calibrated", 0), ("averaged", None)):
+        recipe = Recipe(ratio=0.02, allocation="eq6", multiple=1, min_rank=0, context=context)
+        m = api.export("smollm2", tmp_path / "c", tmp_path / name, recipe).manifest
+        assert m.positions == (None if context == 0 else 8192)
+        served = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
+        hits[name] = sum(passkey_hits(served, prompts))
+    assert hits["as calibrated"] < hits["original"] <= hits["averaged"], hits
+
+
 def test_smollm2_mha_variant_has_the_same_logits(smollm2):
     """../shared/DATA.md: num_key_value_heads=9 with each k/v head repeated 3× gives identical logits."""
     from transformers import AutoModelForCausalLM

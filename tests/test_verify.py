@@ -255,7 +255,9 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
     fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)
     assert m.chosen.compression == pytest.approx(1 - per_token / fp16) and m.chosen.compression > 0.5
     assert m.accuracy_target().met(m.chosen) and len(m.curve) >= 3
-    report = json.loads(run("verify", out, "--eval-text", exported[1], "--eval-tokens", 1024, "--json").stdout)
+    done = run("verify", out, "--eval-text", exported[1], "--eval-tokens", 1024, "--json")
+    assert done.stdout, done.output
+    report = json.loads(done.stdout)
     assert report["ok"], report["checks"]
     assert report["kv_bytes_per_token"]["exported"] == per_token
     assert_user_error(run("export", tiny_dirs[LLAMA], "--calib", calib, "--ratio", 0.5, "--format", "bits",

@@ -16,9 +16,10 @@ __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 
 # 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
 # carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
-# scored on a mixture of texts carries each text's figures (`parts`).
+# scored on a mixture of texts carries each text's figures (`parts`). 1.4: `positions`, the context the
+# query/key statistics were averaged over.
 # Older files still load: `_upgrade` converts them.
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 MANIFEST_FILE = "kvfold.json"
 
 
@@ -98,6 +99,9 @@ class Manifest(_Frozen):
     layer_scale_v: list[float] = []
     layer_cost_k: list[float] = []  # the measured NLL increase per removed dim behind them
     layer_cost_v: list[float] = []
+    # RoPE models: the query/key statistics were averaged over positions [0, positions) before fitting
+    # (rewrite/factors/positions.py); None: fitted as calibrated (no RoPE, --context 0, or before 1.4)
+    positions: int | None = None
     head_dim: int
     num_heads: int
     num_kv_heads: int

@@ -46,6 +46,10 @@ class Recipe(BaseModel):
     # 2–16 bits with per-token scales (plan/bits.py, kvfold_runtime.bands); ranks follow from the bits, so
     # multiple and min_rank do not apply. Served by the transformers runtime only, so far.
     format: Literal["rank", "bits"] = "rank"
+    # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
+    # fitted (rewrite/factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
+    # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).
+    context: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -136,8 +136,9 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
 
 def _passkey(tokenizer, original, served, context: int, report: VerifyReport) -> None:
     """Passkey retrieval at `context` tokens, or the model's whole context if shorter (plan/passkey.py): the
-    export must retrieve every key the original does. Skipped, and said so, where the model's context
-    has no room for the task."""
+    export must retrieve as many keys as the original ("no worse": a retrieval rate, so one key won where
+    another is lost is a tie; the keys lost are named in the detail). Skipped, and said so, where the model's
+    context has no room for the task."""
     context = min(context, getattr(original.config, "max_position_embeddings", None) or context)
     try:
         prompts = passkey_prompts(tokenizer, context)
@@ -150,7 +151,7 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
     n, got = len(prompts), {k: sum(h) for k, h in hits.items()}
     depths = ", ".join(report.passkey["exported"]["by_depth"])
     report.checks.append(Check(
-        f"passkey {context}", lost == 0,
+        f"passkey {context}", got["exported"] >= got["original"],
         f"keys retrieved at {len(prompts[0].ids)} tokens, needle at depths {depths}: export {got['exported']}/{n}, "
         f"original {got['original']}/{n}" + (f"; {lost} the original retrieves are lost" if lost else "")))
 

@@ -93,6 +93,15 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return (stream << torch.arange(bits, device=packed.device)).sum(-1)
 
 
+def _as_float16(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2n] -> float16 [..., n]. A head with no scaled band (every kept dim at 16 bits) has n = 0,
+    whose strides torch gives as odd; and a slice of an odd-width row keeps its odd byte strides through
+    `.contiguous()` where the other dims have size 1. Neither can be viewed as float16, so: a fresh copy."""
+    if raw.shape[-1] == 0:
+        return torch.empty(*raw.shape, dtype=torch.float16, device=raw.device)
+    return raw.new_empty(raw.shape).copy_(raw).view(torch.float16)
+
+
 def quantize(x: torch.Tensor, bands: tuple[Band, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] (one head's rotated row per token) -> (bytes [..., Σ code_bytes] uint8, scales
     [..., quantized bands] float16)."""
@@ -125,7 +134,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bands: tuple[Band, ...
         chunk = codes[..., at : at + band.code_bytes]
         at += band.code_bytes
         if not band.scaled:
-            vals = chunk.contiguous().view(torch.float16).float()
+            vals = _as_float16(chunk).float()
         else:
             q = _unpack(chunk, band.bits, band.size).float()
             vals = (q + 0.5 - 2.0 ** (band.bits - 1)) * scales[..., k : k + 1].float()
@@ -159,5 +168,5 @@ def decode_heads(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple
         n_scales = SCALE_BYTES * sum(b.scaled for b in head)
         codes, scales = rows[..., at : at + n_codes], rows[..., at + n_codes : at + n_codes + n_scales]
         at += n_codes + n_scales
-        out.append(dequantize(codes, scales.contiguous().view(torch.float16), head, width, dtype))
+        out.append(dequantize(codes, _as_float16(scales), head, width, dtype))
     return torch.cat(out, -1)

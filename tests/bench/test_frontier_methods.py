@@ -149,7 +149,9 @@ def test_kvfold_fp8_is_kvfold_with_its_cache_in_fp8(setup):
     (b,) = replace(q8, grid=(0.02,)).candidates(setup)
     assert b.kv_fraction == pytest.approx(a.kv_fraction / 2)
     la, lb = _logits(setup, a.patches), _logits(setup, b.patches)
-    assert not torch.equal(la, lb) and _close(la, lb, 0.1)
+    # fp8's 3-bit mantissa moves the random tiny model's logits by ~10% of their largest (0.102 measured with
+    # position-averaged factors, 2026-11-25); the rank cut alone moves them 43%
+    assert not torch.equal(la, lb) and _close(la, lb, 0.15)
 
 
 def test_zack_is_the_papers_method_as_published(setup):

@@ -49,3 +49,20 @@ def test_every_code_of_a_width_is_reachable_and_packing_is_exact():
         codes, scales = quantize(x, band)
         assert codes.shape[-1] == -(-levels * bits // 8) and float(scales) == 1.0
         assert torch.equal(dequantize(codes, scales, band, levels), x)
+
+
+def test_odd_width_rows_and_heads_without_scales_decode():
+    """A head whose kept dims are all at 16 bits has no scales (it crashed a bits-format export's verify:
+    torch cannot view an empty byte tensor as float16), and a decode step reads one token of rows that may
+    be an odd number of bytes."""
+    from kvfold_runtime.bands import decode_heads, encode_heads
+
+    heads = (bands_from_bits([16, 8]), bands_from_bits([16, 16]), bands_from_bits([8, 8]))  # 2+1+2, 4, 2+2 bytes
+    widths = (2, 2, 2)
+    x = torch.randn(2, 5, sum(widths), generator=torch.Generator().manual_seed(0))
+    rows = encode_heads(x, widths, heads)
+    assert rows.shape[-1] % 2 == 1
+    wide = torch.cat([rows, rows], -1)  # a cache row of two layers' bytes: every slice has odd strides
+    for t in range(x.shape[1]):
+        one = decode_heads(wide[:, t : t + 1, : rows.shape[-1]], widths, heads, torch.float32)
+        assert torch.equal(one, decode_heads(rows[:, t : t + 1].clone(), widths, heads, torch.float32))
