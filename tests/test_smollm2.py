@@ -138,12 +138,13 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     check is reported with its figures, not required. To fit CI (2 cores) the search and verify score 4,096
     tokens instead of 16,384 and the sensitivity probes 1,024 instead of 4,096: the standard errors double,
     and the target must hold on each text alone (4 windows each, 1-se margin per text), so the search picks
-    a milder point than the full defaults: compression 0.019 in CI (2026-11-24)."""
+    a milder point than the full defaults: compression 0.019 in CI (2026-11-24), 0.0069 since the factors
+    are fitted to every position of the 8K context (2026-11-25), which keeps the pass keys (checked here)."""
     api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=16384)
     recipe = Recipe(accuracy=0.99, eval_tokens=4096, sensitivity_tokens=1024)
     m = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe).manifest
     assert m.metric == "joint" and m.eval_text == "wiki:dev+pydoc:dev" and m.accuracy_target().met(m.chosen)
-    assert m.chosen.compression >= 0.01  # it compresses (0.019 measured at these sizes)
+    assert m.chosen.compression > 0  # it compresses (0.0069 measured at these sizes)
     done = subprocess.run([sys.executable, "-m", "kvfold", "verify", str(tmp_path / "o"), "--json",
                            "--eval-tokens", "4096", "--passkey", "1024"], capture_output=True, text=True)
     assert done.returncode in (0, 1), done.stdout + done.stderr
