@@ -27,7 +27,7 @@ from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.plan.targets import for_accuracy, for_accuracy_bits, for_compression
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
-from kvfold.rewrite.factors.positions import PositionAveraged, rope_frequencies
+from kvfold.rewrite.factors.positions import fitted_statistics
 from kvfold.rewrite.weights import o_proj_heads
 from kvfold.sources.models import load_model, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
@@ -63,9 +63,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
         net = load_model(ref)
         method = get_method(recipe.method)
         positions = _positions(recipe, previous, net, ref.adapter.rope)
-        fitted = stats
-        if positions:  # RoPE: the statistics of every position up to the context, not only 0–511
-            fitted = PositionAveraged(stats, rope_frequencies(net, stats.header.model.num_layers), positions)
+        fitted = fitted_statistics(stats, net, positions)  # RoPE: every position up to the context, not 0–511
         bases = [method.basis(fitted, i, o_proj_heads(net, ref.adapter, i))
                  for i in range(stats.header.model.num_layers)]
 

@@ -17,7 +17,7 @@ from kvfold.plan.evaluate import Evaluator, Metrics, Reference, score_model
 from kvfold.plan.passkey import passkey_hits, passkey_prompts, passkey_summary
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.rewrite.factors import LayerBasis, get_method
-from kvfold.rewrite.factors.positions import PositionAveraged, rope_frequencies
+from kvfold.rewrite.factors.positions import fitted_statistics
 from kvfold.rewrite.weights import o_proj_heads
 from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
@@ -116,8 +116,8 @@ class Setup:
         def build():
             stats, method = self.stats(calib), get_method(factor)
             if factor == "aware" and self.adapter.rope:  # as export fits them: every position of the context
-                stats = PositionAveraged(stats, rope_frequencies(self.model, stats.header.model.num_layers),
-                                         self.model.config.get_text_config().max_position_embeddings)
+                context = self.model.config.get_text_config().max_position_embeddings
+                stats = fitted_statistics(stats, self.model, context)
             return [method.basis(stats, i, o_proj_heads(self.model, self.adapter, i))
                     for i in range(stats.header.model.num_layers)]
 

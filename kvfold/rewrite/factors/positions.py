@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PositionAveraged", "position_average", "rope_frequencies"]
+__all__ = ["PositionAveraged", "fitted_statistics", "position_average", "rope_frequencies"]
 
 
 def _mean_phase(delta: torch.Tensor, context: int) -> torch.Tensor:
@@ -73,3 +73,11 @@ class PositionAveraged:
     def gram(self, layer: int, kind: str) -> torch.Tensor:
         g = self.stats.gram(layer, kind)
         return position_average(g, self.inv_freq[layer], self.context) if kind in ("q", "k") else g
+
+
+def fitted_statistics(stats, net: nn.Module, context: int | None):
+    """What the factor methods fit: `stats` as calibrated (context None or 0), or with the query and key Grams
+    averaged over positions [0, context) at `net`'s RoPE frequencies."""
+    if not context:
+        return stats
+    return PositionAveraged(stats, rope_frequencies(net, stats.header.model.num_layers), context)
