@@ -20,7 +20,7 @@ from kvfold.errors import KVFoldError
 from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
 from kvfold.plan.recipe import Recipe, load_recipe
-from kvfold.sources.models import DTYPES, load_model, resolve_model, weights_sha256
+from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify import DEFAULT_TEXTS, VerifyReport, verify
@@ -56,6 +56,7 @@ def calibrate(
     kmeans: int | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    device: str = "auto",
     force: bool = False,
     progress=None,
 ) -> CalibResult:
@@ -76,11 +77,12 @@ def calibrate(
     )
     output = Path(output)
     ref = resolve_model(model)
+    device = resolve_device(device)
     docs = resolve_text(options.text) if options.text else None
 
     with atomic_dir(output, force=force) as tmp:
         t0 = time.perf_counter()
-        net = load_model(ref, dtype)
+        net = load_model(ref, dtype, device)
         layout = HeadLayout.from_config(net.config)
         identity = ModelIdentity(
             spec=model, path=str(ref.path.resolve()), architecture=ref.architecture,

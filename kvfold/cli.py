@@ -41,7 +41,9 @@ def calibrate(
     prune: Annotated[float, typer.Option(help="ZDC: drop this fraction of sequences per source group.")] = 0.0,
     kmeans: Annotated[int | None, typer.Option(help="ZDC: Gram from K count-weighted centroids per head.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for tokens, text order, pruning and K-means.")] = 0,
-    dtype: Annotated[str, typer.Option(help="Model dtype while running: float32 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="Model dtype while running: float32, bfloat16 or float16 (statistics "
+                                         "are float64 either way).")] = "float32",
+    device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Measure post-RoPE Q/K, V and attention-output statistics per head (float64 Grams)."""
@@ -51,7 +53,7 @@ def calibrate(
     with user_errors(), progress_bar(err) as bar:
         result = api.calibrate(model, output, source=source, text=text, tokens=tokens, seq_len=seq_len,
                                batch=batch, prune_fraction=prune, kmeans=kmeans, seed=seed, dtype=dtype,
-                               force=force, progress=bar)
+                               device=device, force=force, progress=bar)
     out.print(calib_summary(result))
 
 
@@ -86,6 +88,10 @@ def export(
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32 (default), "
+                                              "bfloat16 or float16; the written weights keep the source's "
+                                              "dtype.")] = None,
+    device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
@@ -96,9 +102,9 @@ def export(
         options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
-            allocation=allocation, format=format, context=context))
+            allocation=allocation, format=format, context=context, dtype=dtype))
         t0 = time.monotonic()
-        result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force,
+        result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))
     out.print(export_summary(result))
 
@@ -114,6 +120,8 @@ def verify(
                                               "longer windows test the cache at long context.")] = 512,
     passkey: Annotated[int, typer.Option(help="Passkey retrieval in prompts of this many tokens: the export must "
                                               "retrieve as many keys as the original (0: skip).")] = 4096,
+    dtype: Annotated[str, typer.Option(help="Dtype both models run in: float32, bfloat16 or float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Check files, shapes, fidelity against the original, passkey retrieval and live KV-cache bytes. Exit 0
@@ -123,7 +131,8 @@ def verify(
 
     with user_errors():
         report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
-                            eval_tokens=eval_tokens, context=context, passkey=passkey)
+                            eval_tokens=eval_tokens, context=context, passkey=passkey, dtype=dtype,
+                            device=device)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

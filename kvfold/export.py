@@ -29,7 +29,7 @@ from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
 from kvfold.rewrite.factors.positions import fitted_statistics
 from kvfold.rewrite.weights import o_proj_heads
-from kvfold.sources.models import load_model, resolve_model, weights_sha256
+from kvfold.sources.models import load_model, resolve_device, resolve_model, source_dtype, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
@@ -43,13 +43,17 @@ class ExportResult:
 
 
 def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve: Path | None = None,
-           force: bool = False, log: Callable[[str], None] = lambda line: None) -> ExportResult:
+           force: bool = False, device: str = "auto", log: Callable[[str], None] = lambda line: None) -> ExportResult:
     """Choose per-head ranks for the recipe's target, bake them, write a checkpoint atomically.
+
+    The model runs in recipe.dtype on `device` (auto: CUDA when present); the baked weights are written in
+    the source checkpoint's dtype, from weights read in that dtype.
 
     With `reuse_curve` (a previous export of the same model, calibration, method and rounding), the
     point is picked from its recorded curve and nothing is evaluated again. `log` gets one plain line
     per stage and per scored candidate."""
     ref = resolve_model(model)
+    device = resolve_device(device)
     stats = CalibStats.load(Path(calib))
     sha = weights_sha256(ref.path)
     if stats.header.model.weights_sha256 != sha:
@@ -60,7 +64,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
     target = recipe.target()
 
     with atomic_dir(Path(output), force=force) as tmp:
-        net = load_model(ref)
+        net = load_model(ref, recipe.dtype, device)
         method = get_method(recipe.method)
         positions = _positions(recipe, previous, net, ref.adapter.rope)
         fitted = fitted_statistics(stats, net, positions)  # RoPE: every position up to the context, not 0–511
@@ -114,6 +118,9 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
         bit_plan = plan_bits(bases, chosen) if bits else None
         ranks = bit_plan.ranks() if bits else plan_ranks(bases, chosen)
         k_bits, v_bits = bit_plan.kept_bits() if bits else (None, None)
+        stored = source_dtype(ref)
+        if stored != recipe.dtype:  # weights read again in the checkpoint's own dtype, not the measured one's
+            net = load_model(ref, stored, device)
         baked = bake(net, ref.adapter, factors_for(bases, ranks))
         h = stats.header
         manifest = Manifest(
@@ -128,7 +135,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             target_level=None if target is None else target.level, margin=0.0 if target is None else target.margin,
             rounding_multiple=1 if bits else recipe.multiple, min_rank=0 if bits else recipe.min_rank,
             head_dim=h.model.head_dim, k_bits=k_bits, v_bits=v_bits,
-            allocation=recipe.allocation, positions=positions, **_weight_fields(weights),
+            allocation=recipe.allocation, positions=positions, search_dtype=recipe.dtype, **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
             chosen=Point.model_validate(best.to_dict()), curve=[Point.model_validate(p.to_dict()) for p in curve],
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
@@ -179,6 +186,7 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
          (1, 0) if recipe.format == "bits" else (recipe.multiple, recipe.min_rank)),
         ("rank allocation", prev.allocation, recipe.allocation),
         ("cache format", "bits" if prev.k_bits is not None else "rank", recipe.format),
+        ("--dtype", prev.search_dtype, recipe.dtype),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

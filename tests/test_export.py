@@ -229,3 +229,39 @@ def test_reuse_curve_evaluates_nothing(setup, tmp_path, monkeypatch):
     assert Manifest.load(tmp_path / "k").chosen.compression == max(p.compression for p in prev.curve)
     mismatch = _export(setup, tmp_path / "c", "--accuracy", 0.8, "--method", "zack", "--reuse-curve", first)
     assert_user_error(mismatch, "was searched with a different method", tmp_path / "c")
+
+
+def test_bfloat16_search_writes_the_sources_dtype(setup, tmp_path):
+    """--dtype sets what the model runs in while candidates are scored; the weights written are baked from the
+    source's own float32 weights (a full-rank bfloat16 search still reproduces the float32 logits), and the
+    manifest records the search's dtype, which a reused curve must match."""
+    from kvfold.rewrite.reference import load_baked, padded_forward
+
+    out = tmp_path / "bf16"
+    result = _export(setup, out, "--ratio", 0, "--multiple", 1, "--min-rank", 16, "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    model, adapter, m = load_baked(out)
+    assert m.search_dtype == "bfloat16"
+    tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert {v.dtype for v in tensors.values()} == {torch.float32}
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), padded_forward(model, adapter, m.d_k, m.d_v):
+        got, want = model(input_ids=ids).logits, original(input_ids=ids).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    mismatch = _export(setup, tmp_path / "m", "--ratio", 0, "--multiple", 1, "--min-rank", 16, "--reuse-curve", out)
+    assert_user_error(mismatch, "was searched with a different --dtype", tmp_path / "m")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("command", ["calibrate", "export"])
+def test_device_cuda_without_a_gpu_is_one_line(setup, tmp_path, command):
+    model, calib, text, _ = setup
+    out = tmp_path / "o"
+    args = ("--tokens", 64, "--seq-len", 32) if command == "calibrate" else ("--calib", calib, "--eval-text", text,
+                                                                           "--ratio", 0.1)
+    result = run(command, model, *args, "--device", "cuda", "-o", out)
+    assert_user_error(result, "--device cuda: this torch sees no CUDA device", out)
+    assert_user_error(run(command, model, *args, "--device", "tpu", "-o", out), "--device must be one of", out)

@@ -46,11 +46,12 @@ def collect(
 
     # The LM head is not needed for attention statistics; on SmolLM2 it is ~20% of the compute.
     body = model.base_model
+    device = next(model.parameters()).device
     with tapped(model, adapter, on_qkv, on_out), torch.inference_mode():
         for p in range(sink.passes):
             state["pass"] = p
             for ids in batches(seqs, batch):
-                body(input_ids=ids, use_cache=False)
+                body(input_ids=ids.to(device), use_cache=False)
                 if on_batch is not None:
                     on_batch(ids.numel())
     return sink.result()

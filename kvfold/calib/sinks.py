@@ -1,7 +1,8 @@
 """Where captured vectors go. Each sink gets (name, x) with x: [heads, N, d] and returns Grams.
 
-- GramSink: streaming float64 Gram XᵀX per head; memory O(d²) per head whatever N is. Its
-  eigendecomposition is the SVD of the stacked X (σ_i² = λ_i, same right singular vectors).
+- GramSink: streaming float64 Gram XᵀX per head, on the vectors' device; memory O(d²) per head whatever N
+  is. Its eigendecomposition is the SVD of the stacked X (σ_i² = λ_i, same right singular vectors).
+Every sink returns its Grams on the CPU.
 - KMeansSink (ZDC): MiniBatchKMeans per head; the Gram is Σ_c n_c μ_c μ_cᵀ over count-weighted
   centroids. Needs two passes over the same data: fit, then count assignments to the final centroids.
 - RecordSink: keeps the raw vectors (tests and debugging; memory O(N·d)).
@@ -31,7 +32,7 @@ class GramSink:
             self.grams[name] = gram
 
     def result(self) -> dict[str, torch.Tensor]:
-        return self.grams
+        return {n: g.cpu() for n, g in self.grams.items()}
 
 
 class RecordSink:
@@ -47,7 +48,7 @@ class RecordSink:
         return torch.cat(self.vectors[name], dim=1)  # [heads, N, d]
 
     def result(self) -> dict[str, torch.Tensor]:
-        return {n: (x := self.stacked(n)).transpose(1, 2) @ x for n in self.vectors}
+        return {n: ((x := self.stacked(n)).transpose(1, 2) @ x).cpu() for n in self.vectors}
 
 
 class KMeansSink:
@@ -60,7 +61,7 @@ class KMeansSink:
         self.heads: dict[str, int] = {}
 
     def add(self, name: str, x: torch.Tensor, pass_idx: int = 0) -> None:
-        xs = x.detach().to(torch.float64).numpy()
+        xs = x.detach().to(torch.float64).cpu().numpy()
         self.heads[name] = xs.shape[0]
         for h, xh in enumerate(xs):
             key = (name, h)

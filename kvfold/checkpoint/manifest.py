@@ -17,9 +17,9 @@ __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 # 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
 # carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
 # scored on a mixture of texts carries each text's figures (`parts`). 1.4: `positions`, the context the
-# query/key statistics were averaged over.
+# query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored.
 # Older files still load: `_upgrade` converts them.
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 MANIFEST_FILE = "kvfold.json"
 
 
@@ -102,6 +102,8 @@ class Manifest(_Frozen):
     # RoPE models: the query/key statistics were averaged over positions [0, positions) before fitting
     # (rewrite/factors/positions.py); None: fitted as calibrated (no RoPE, --context 0, or before 1.4)
     positions: int | None = None
+    # the dtype the model ran in while the curve was measured (export --dtype); before 1.5 always float32
+    search_dtype: str = "float32"
     head_dim: int
     num_heads: int
     num_kv_heads: int

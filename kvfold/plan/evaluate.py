@@ -120,18 +120,19 @@ class Metrics:
         return _ratio_se(self.window_kl, tuple(map(float, self.window_tokens)))
 
 
-def _patch(factors: LayerFactors, dtype: torch.dtype) -> AttentionPatch | None:
+def _patch(factors: LayerFactors, like: torch.Tensor) -> AttentionPatch | None:
     """The layer's projections; a side whose heads all keep every dim is left out (its projection is the
-    identity up to round-off), and a layer with nothing to project gets no patch at all."""
+    identity up to round-off), and a layer with nothing to project gets no patch at all. The projections
+    are made in float64 and used in the dtype and on the device of `like` (a parameter of the model)."""
     before = after = None
     if not factors.qk_full():
-        p_qk = factors.qk_projection().to(dtype)  # [H, d, d]
+        p_qk = factors.qk_projection().to(like)  # [H, d, d]
 
         def before(q, k, v):
             return torch.einsum("bhtd,hde->bhte", q, p_qk), k, v
 
     if not factors.v_full():
-        p_o = factors.o_projection().to(dtype)
+        p_o = factors.o_projection().to(like)
 
         def after(out):  # [B, T, H, d]
             return torch.einsum("bthd,hde->bthe", out, p_o)
@@ -160,8 +161,8 @@ class Evaluator:
 
     def score(self, factors: list[LayerFactors] | None, compare: bool = True) -> Metrics:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
-        dtype = next(self.model.parameters()).dtype
-        patches = {} if factors is None else {i: _patch(f, dtype) for i, f in enumerate(factors)}
+        like = next(self.model.parameters())
+        patches = {} if factors is None else {i: _patch(f, like) for i, f in enumerate(factors)}
         return self.score_patches({i: p for i, p in patches.items() if p is not None}, compare)
 
     def score_patches(self, patches: dict[int, AttentionPatch], compare: bool = True) -> Metrics:

@@ -72,8 +72,9 @@ def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:
     hits = []
     with torch.inference_mode():
         for p in prompts:
-            logits = model(input_ids=p.ids[None], use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1]
-            hits.append(bool(torch.equal(logits.argmax(-1), p.ids[-p.answer:])))
+            ids = p.ids[None].to(model.device)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1]
+            hits.append(bool(torch.equal(logits.argmax(-1).cpu(), p.ids[-p.answer:])))
     return hits
 
 

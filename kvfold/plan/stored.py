@@ -17,22 +17,23 @@ from kvfold.rewrite.factors import LayerFactors
 __all__ = ["banded", "compressed"]
 
 
-def _stack_padded(mats: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _stack_padded(mats: list[torch.Tensor], like: torch.dtype | torch.Tensor) -> torch.Tensor:
     """Per-head [d, r_i] -> [heads, d, d], zero columns after r_i: every head keeps the full width,
-    and the zero tail adds nothing to any dot product."""
+    and the zero tail adds nothing to any dot product. `like`: a dtype, or a tensor whose dtype and
+    device to take."""
     d = mats[0].shape[0]
-    return torch.stack([F.pad(m, (0, d - m.shape[1])) for m in mats]).to(dtype)
+    return torch.stack([F.pad(m, (0, d - m.shape[1])) for m in mats]).to(like)
 
 
-def compressed(factors: LayerFactors, dtype: torch.dtype,
+def compressed(factors: LayerFactors, like: torch.dtype | torch.Tensor,
                quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
                quantize_v: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AttentionPatch:
     """Attention on the compressed tensors themselves: q' = q A_h, k' = k B_g, v' = v A_v; the cache's
     k' and v' pass through `quantize` (v' through `quantize_v` when given); the output o' B_hᵀ.
     (plan.evaluate's patch is the same algebra without materialising k' and v', which is why a quantizer
     needs this one.)"""
-    qa, kb = _stack_padded(factors.qk_a, dtype), _stack_padded(factors.qk_b, dtype)  # [H|H_kv, d, d]
-    va, ob = _stack_padded(factors.v_a, dtype), _stack_padded(factors.o_b, dtype)
+    qa, kb = _stack_padded(factors.qk_a, like), _stack_padded(factors.qk_b, like)  # [H|H_kv, d, d]
+    va, ob = _stack_padded(factors.v_a, like), _stack_padded(factors.o_b, like)
     keep_k = quantize or (lambda x: x)
     keep_v = quantize_v or keep_k
 

@@ -35,14 +35,14 @@ def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callabl
     on the cache it would store (band codes and scales, plan/stored.py)."""
     from kvfold_runtime import bands_from_bits
 
-    dtype = next(evaluator.model.parameters()).dtype
+    like = next(evaluator.model.parameters())  # the model's dtype and device
 
     def score(plan: BitPlan):
         patches = {}
         for i, f in enumerate(factors_for(bases, plan.ranks())):
             k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
             v_bands = [bands_from_bits(h) for h in plan.v_bits[i]]
-            patches[i] = compressed(f, dtype, banded(k_bands), banded(v_bands))
+            patches[i] = compressed(f, like, banded(k_bands), banded(v_bands))
         return evaluator.score_patches(patches), evaluator.baseline
 
     # θ from 1e-7 (about 8 bits for a head's average dim: int8-like) to 0.1 (nearly every dim dropped)

@@ -7,7 +7,7 @@ Per KV head g / query head h (see factors/base.py):
   RoPE models: A_h, B_g stay online, as parameters `kvfold_q_post` [d, Σ_h d_k] and
                `kvfold_k_post` [d, Σ_g d_k] of the attention module (applied after RoPE).
   no RoPE:     q_proj cols of head h ← W_q^h A_h, k_proj cols of head g ← W_k^g B_g (biases too).
-Products are formed in float64 and cast to the model's dtype once, at the end.
+Products are formed in float64 on the weights' device and cast to the model's dtype once, at the end.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ def _read(module: nn.Module, layout: str) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 def make_projection(w_io: torch.Tensor, b: torch.Tensor | None, layout: str, dtype: torch.dtype) -> nn.Module:
+    """A Linear (or Conv1D) holding w_io [in, out] in `dtype`, on w_io's device."""
     n_in, n_out = w_io.shape
     if layout == "conv1d":
-        mod = Conv1D(n_out, n_in)
+        mod = Conv1D(n_out, n_in).to(w_io.device)
         mod.weight.data = w_io.to(dtype).contiguous()
-        mod.bias.data = (torch.zeros(n_out, dtype=torch.float64) if b is None else b).to(dtype)
+        mod.bias.data = (torch.zeros(n_out, dtype=torch.float64, device=w_io.device) if b is None else b).to(dtype)
         return mod
-    mod = nn.Linear(n_in, n_out, bias=b is not None, dtype=dtype)
+    mod = nn.Linear(n_in, n_out, bias=b is not None, dtype=dtype, device=w_io.device)
     mod.weight.data = w_io.T.to(dtype).contiguous()
     if b is not None:
         mod.bias.data = b.to(dtype)
@@ -48,6 +49,7 @@ def make_projection(w_io: torch.Tensor, b: torch.Tensor | None, layout: str, dty
 
 def _heads_out(w, b, mats: list[torch.Tensor], d: int):
     """Map output columns of head i through mats[i] ([d, r_i]); concatenate the heads."""
+    mats = [m.to(w.device) for m in mats]
     w2 = torch.cat([w[:, i * d : (i + 1) * d] @ m for i, m in enumerate(mats)], 1)
     b2 = None if b is None else torch.cat([b[i * d : (i + 1) * d] @ m for i, m in enumerate(mats)])
     return w2, b2
@@ -71,8 +73,9 @@ def bake(model: nn.Module, adapter: Adapter, factors: list[LayerFactors]) -> nn.
             wq, bq = _heads_out(wq, bq, f.qk_a, d)
             wk, bk = _heads_out(wk, bk, f.qk_b, d)
         else:
-            attn.register_parameter(Q_POST, nn.Parameter(torch.cat(f.qk_a, 1).to(dtype), requires_grad=False))
-            attn.register_parameter(K_POST, nn.Parameter(torch.cat(f.qk_b, 1).to(dtype), requires_grad=False))
+            for name, mats in ((Q_POST, f.qk_a), (K_POST, f.qk_b)):
+                post = torch.cat(mats, 1).to(wq.device, dtype)
+                attn.register_parameter(name, nn.Parameter(post, requires_grad=False))
         if adapter.qkv_fused:
             b_all = None if bq is None else torch.cat([bq, bk, bv])
             setattr(attn, adapter.qkv_fused, make_projection(torch.cat([wq, wk, wv], 1), b_all, pl, dtype))
@@ -81,6 +84,6 @@ def bake(model: nn.Module, adapter: Adapter, factors: list[LayerFactors]) -> nn.
                                     ((wq, bq), (wk, bk), (wv, bv)), strict=True):
                 setattr(attn, name, make_projection(w, b, pl, dtype))
         wo, bo = _read(getattr(attn, adapter.o_proj), pl)  # [H*d, hidden]
-        wo = torch.cat([b_h.T @ wo[h * d : (h + 1) * d] for h, b_h in enumerate(f.o_b)], 0)
+        wo = torch.cat([b_h.T.to(wo.device) @ wo[h * d : (h + 1) * d] for h, b_h in enumerate(f.o_b)], 0)
         setattr(attn, adapter.o_proj, make_projection(wo, bo, pl, dtype))
     return baked

@@ -14,9 +14,13 @@ from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
 from kvfold.sources.embedded import ALIASES, ensure_embedded
 
-__all__ = ["DTYPES", "ModelRef", "load_model", "resolve_model", "weights_sha256"]
+__all__ = ["DEVICES", "DTYPES", "ModelRef", "load_model", "resolve_device", "resolve_model", "source_dtype",
+           "weights_sha256"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The dtype the model *runs* in while kvfold measures it (--dtype). Statistics and factors are float64
+# whatever it is, and an export's weights keep the source checkpoint's dtype (export.py).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -49,7 +53,20 @@ def resolve_model(spec: str) -> ModelRef:
     return ModelRef(spec=spec, path=path, architecture=archs[0], adapter=get_adapter(archs[0]))
 
 
-def load_model(ref: ModelRef, dtype: str = "float32"):
+def resolve_device(spec: str) -> str:
+    """--device: auto is cuda when torch sees a CUDA device, else cpu."""
+    if spec not in DEVICES:
+        raise KVFoldError(f"--device must be one of {', '.join(DEVICES)}, got '{spec}'")
+    cuda = torch.cuda.is_available()
+    if spec == "cuda" and not cuda:
+        raise KVFoldError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); "
+                          "use --device cpu")
+    return ("cuda" if cuda else "cpu") if spec == "auto" else spec
+
+
+def load_model(ref: ModelRef, dtype: str = "float32", device: str = "cpu"):
+    """The model in `dtype` on `device`. Weights are read once, straight into `dtype` (an 8B model in
+    bfloat16 never exists in float32), then moved."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -57,7 +74,14 @@ def load_model(ref: ModelRef, dtype: str = "float32"):
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise KVFoldError(f"cannot load model '{ref.spec}': {first}") from None
-    return model.eval()
+    return model.to(device).eval()
+
+
+def source_dtype(ref: ModelRef) -> str:
+    """The dtype the checkpoint's config declares (float32 when it declares none we know)."""
+    config = json.loads((ref.path / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return declared if declared in DTYPES else "float32"
 
 
 def weights_sha256(path: Path) -> str:

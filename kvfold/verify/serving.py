@@ -15,7 +15,7 @@ from kvfold.errors import KVFoldError
 from kvfold.plan.evaluate import Reference, score_model
 from kvfold.plan.passkey import passkey_hits, passkey_prompts, passkey_summary
 from kvfold.plan.search import CurvePoint
-from kvfold.sources.models import ModelRef, load_model, weights_sha256
+from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify.report import Check, VerifyReport
@@ -37,17 +37,17 @@ PROMPTS, PROMPT_TOKENS = 4, 24  # greedy generations compared, from the first ev
 SEARCH_CONTEXT = 512  # the window length export's search scores (calib.tokens windows)
 
 
-def load_served(directory: Path):
+def load_served(directory: Path, dtype: str = "float32", device: str = "cpu"):
     require_runtime()
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype]).to(device).eval()
 
 
 def _live_cache(model, ids: torch.Tensor):
     """The KV cache after one forward over `ids`."""
     with torch.inference_mode():
-        return model(input_ids=ids, use_cache=True).past_key_values
+        return model(input_ids=ids.to(model.device), use_cache=True).past_key_values
 
 
 def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]], k_bits: list | None = None,
@@ -72,8 +72,9 @@ def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]]
 
 def _generate(model, tokenizer, ids: torch.Tensor, new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(ids.to(model.device), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].cpu().tolist()
 
 
 def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> list[bool]:
@@ -83,20 +84,21 @@ def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> l
         return []
     ids = torch.cat([prompt[0], torch.tensor(continuation)])[None]
     with torch.inference_mode():
-        top = model(input_ids=ids, use_cache=False).logits[0, prompt.shape[1] - 1:-1].argmax(-1)
-    return (top == torch.tensor(continuation)).tolist()
+        top = model(input_ids=ids.to(model.device), use_cache=False).logits[0, prompt.shape[1] - 1:-1].argmax(-1)
+    return (top.cpu() == torch.tensor(continuation)).tolist()
 
 
 def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: VerifyReport, eval_texts: list[str],
-                   eval_tokens: int, context: int = SEARCH_CONTEXT, passkey: int = 0, new_tokens: int = 32) -> None:
+                   eval_tokens: int, context: int = SEARCH_CONTEXT, passkey: int = 0, new_tokens: int = 32,
+                   dtype: str = "float32", device: str = "cpu") -> None:
     """Fill `report` with the served export's figures and checks: windows of `context` tokens, passkey
-    prompts of `passkey` tokens (0: none)."""
+    prompts of `passkey` tokens (0: none); both models run in `dtype` on `device`."""
     if weights_sha256(against.path) != m.source.weights_sha256:
         report.checks.append(Check("against", False, f"{against.path} is not the model this was exported from "
                                                      "(weights sha256 differ); pass --against the source"))
         return
     tokenizer = load_tokenizer(directory)
-    original, served = load_model(against), load_served(directory)
+    original, served = load_model(against, dtype, device), load_served(directory, dtype, device)
     report.checks.append(Check("loads", type(served).__name__.startswith("KVFold"),
                                f"transformers loads it as {type(served).__name__}"))
     report.metric, report.target = m.metric, m.target
@@ -113,7 +115,9 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
         report.texts.append({"eval_text": text, "context": context, "tokens": base.tokens, "baseline_top1": base.top1,
                              "baseline_ppl": base.ppl, **{k: v for k, v in asdict(point).items()
                                                           if k not in ("r_k", "r_v", "compression")}})
-        report.checks.append(_fidelity(m, text, base.tokens, point, same_windows=context == SEARCH_CONTEXT))
+        # The recorded figures are reproducible only from the search's windows, run in the search's dtype.
+        same = context == SEARCH_CONTEXT and dtype == m.search_dtype
+        report.checks.append(_fidelity(m, text, base.tokens, point, same_windows=same))
     if passkey:
         _passkey(tokenizer, original, served, passkey, report)
 

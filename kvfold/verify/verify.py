@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold.sources.models import resolve_model
+from kvfold.sources.models import DTYPES, resolve_device, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.verify.integrity import integrity_checks
 from kvfold.verify.report import VerifyReport
@@ -18,10 +18,11 @@ DEFAULT_TEXTS = ("wiki:eval", "pydoc:eval")  # held-out text of the search's dom
 
 
 def verify(export: Path, against: str | None = None, eval_texts: list[str] | tuple[str, ...] = DEFAULT_TEXTS,
-           eval_tokens: int = 16384, context: int = SEARCH_CONTEXT, passkey: int = 4096) -> VerifyReport:
+           eval_tokens: int = 16384, context: int = SEARCH_CONTEXT, passkey: int = 4096,
+           dtype: str = "float32", device: str = "auto") -> VerifyReport:
     """Scores `eval_tokens` of each text in windows of `context` tokens, and passkey retrieval in prompts
-    of `passkey` tokens (0: skip). Raises KVFoldError for bad input (not an export, source model not
-    found); failed checks are in the report."""
+    of `passkey` tokens (0: skip), both models in `dtype` on `device`. Raises KVFoldError for bad input (not
+    an export, source model not found); failed checks are in the report."""
     export = Path(export)
     if not export.is_dir():
         raise KVFoldError(f"'{export}' is not a directory; pass the output of kvfold export")
@@ -33,6 +34,9 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
         raise KVFoldError("--passkey must be 0 (skip) or at least 256 tokens")
     if not eval_texts:
         raise KVFoldError("give at least one --eval-text")
+    if dtype not in DTYPES:
+        raise KVFoldError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    device = resolve_device(device)
     for text in eval_texts:
         resolve_text(text)  # a bad name fails now, before any model loads
     manifest, checks = integrity_checks(export)
@@ -45,5 +49,6 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
                           "pass --against MODEL")
     ref = resolve_model(spec)
     report.against = str(ref.path)
-    serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens, context, passkey)
+    serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens, context, passkey,
+                   dtype=dtype, device=device)
     return report
