@@ -1,5 +1,5 @@
-"""`kvfold bench frontier|kernels|calibrate|export|memory|serve ...` (also `python -m kvfold.bench ...`): each prints or
-writes JSON measured in that run."""
+"""`kvfold bench frontier|kernels|calibrate|export|compile|memory|serve ...` (also `python -m kvfold.bench ...`):
+each prints or writes JSON measured in that run."""
 
 from __future__ import annotations
 
@@ -180,6 +180,36 @@ def openai(
         if not (export / "kvfold.json").is_file():
             raise KVFoldError(f"{export} is not a kvfold export (no kvfold.json); run kvfold export first")
         print(json.dumps(ask_server(export, prompt, max_tokens), indent=2))
+
+
+@app.command()
+def compile(  # the command's name
+    shape: Annotated[str, typer.Option(help="smollm2 (the real weights), llama3-8b or qwen2-7b (exact configs, "
+                                       "seeded random weights).")] = "smollm2",
+    device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Model dtype while calibrating and searching.")] = "bfloat16",
+    verify_dtype: Annotated[str | None, typer.Option(help="Dtype of both models in verify [--dtype].")] = None,
+    tokens: Annotated[int, typer.Option(help="Calibration tokens, search tokens and verify tokens per text.")] = 16384,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
+) -> None:
+    """The whole compile (calibrate → export → verify), each stage its own process: seconds, peak RSS and peak
+    CUDA memory per stage, JSON."""
+    from kvfold.bench.compile import bench_compile
+
+    with user_errors():
+        report = bench_compile(shape, device, dtype, verify_dtype or dtype, tokens)
+    text = json.dumps(report, indent=2)
+    if json_out is not None:
+        atomic_write_text(json_out, text + "\n")
+    print(text)
+
+
+@app.command("compile-stage", hidden=True, context_settings={"allow_extra_args": True,
+                                                              "ignore_unknown_options": True})
+def compile_stage(ctx: typer.Context, peak_file: Path) -> None:
+    from kvfold.bench.compile import run_stage
+
+    raise typer.Exit(run_stage(peak_file, list(ctx.args)))
 
 
 @app.command("serve-point", hidden=True)

@@ -1,0 +1,164 @@
+"""`kvfold bench compile`: the whole compile of one model — calibrate → export (sensitivity pass, the
+accuracy search, bake and write) → verify — timed stage by stage, with each stage's peak memory.
+
+Each stage is the real `kvfold` command, run in its own process (`compile-stage` below), so its peak RSS is
+its own (os.wait4) and its peak CUDA memory is torch's high-water mark inside it.
+
+Shapes: `smollm2` is the real embedded model. `llama3-8b` and `qwen2-7b` are those architectures' exact
+configs with seeded random weights, written to a temporary folder in the bench's dtype with SmolLM2's
+tokenizer (its ids fit both vocabularies): real 8B weights are not reachable here, and the code path is the
+same. Random weights have no meaningful accuracy, so for them the export's target is one every candidate
+meets (perplexity ratio ≤ 10⁶, no margin): the search then walks its full path of 10 candidates (the
+mildest, 8 bisection steps, the strongest), scoring each distinct rank set once on the search tokens — a real
+0.99 search on SmolLM2 scores 9. The JSON says how many were scored.
+Their verify verdicts are reported but mean nothing. `tiny-llama` is a two-layer model for the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvfold.errors import KVFoldError
+
+__all__ = ["SHAPES", "bench_compile", "run_stage"]
+
+_LLAMA_TOKENS = dict(bos_token_id=1, eos_token_id=2)  # SmolLM2's tokenizer's ids
+SHAPES: dict[str, dict | None] = {
+    "smollm2": None,  # the real weights
+    # meta-llama/Meta-Llama-3-8B config.json
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, **_LLAMA_TOKENS),
+    # Qwen/Qwen2-7B config.json
+    "qwen2-7b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                     intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     use_sliding_window=False, tie_word_embeddings=False, **_LLAMA_TOKENS),
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=4096, tie_word_embeddings=True, **_LLAMA_TOKENS),
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int) -> dict:
+    from kvfold.sources.models import resolve_device
+
+    if shape not in SHAPES:
+        raise KVFoldError(f"--shape must be one of {', '.join(SHAPES)}, got '{shape}'")
+    device = resolve_device(device)
+    with tempfile.TemporaryDirectory(prefix="kvfold-bench-compile-") as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        model = _model(shape, root / "model", dtype, device)
+        build_s = time.perf_counter() - t0
+        calib, out = root / "calib", root / "export"
+        common = ["--device", device]
+        random = SHAPES[shape] is not None
+        target = ["--accuracy", "1e-6", "--metric", "ppl", "--margin", "0"] if random else ["--accuracy", "0.99"]
+        stages = [
+            ("calibrate", ["calibrate", model, "--source", "text", "--text", "wiki:calib", "--tokens", str(tokens),
+                           "--dtype", dtype, "-o", str(calib), *common]),
+            ("export", ["export", model, "--calib", str(calib), *target, "--eval-tokens", str(tokens),
+                        "--dtype", dtype, "-o", str(out), *common]),
+            ("verify", ["verify", str(out), "--against", model, "--eval-tokens", str(tokens), "--dtype", verify_dtype,
+                        "--json", *common]),
+        ]
+        results = []
+        for name, args in stages:
+            results.append(_timed(name, args, root))
+            if name != "verify" and results[-1]["rc"] != 0:
+                raise KVFoldError(f"bench compile: kvfold {name} failed (exit {results[-1]['rc']}): "
+                                  f"{results[-1]['stderr_tail']}")
+        manifest = json.loads((out / "kvfold.json").read_text())
+        report = json.loads(results[-1].pop("stdout") or "{}")
+    scored = results[1]["candidates_scored"]
+    for r in results:
+        r.pop("stdout", None)
+        r.pop("candidates_scored", None)
+    return {
+        "benchmark": "compile", "shape": shape, "random_weights": random, "device": device, "dtype": dtype,
+        "verify_dtype": verify_dtype, "tokens": tokens, "threads": _threads(), "build_model_s": round(build_s, 1),
+        "stages": results, "total_s": round(sum(r["wall_s"] for r in results), 1),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+        "cuda_peak_mib": max((r["cuda_peak_mib"] or 0) for r in results) if device == "cuda" else None,
+        "export": {"candidates_scored": scored, "allocation": manifest["allocation"],
+                   "compression": manifest["chosen"]["compression"], "target": manifest["target"]},
+        "verify": {"ok": report.get("ok"), "failed": [c["name"] for c in report.get("checks", []) if not c["ok"]],
+                   "meaningful": not random},
+    }
+
+
+def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
+    """The model argument for the stages: the embedded default, or a random-weight folder written now."""
+    from kvfold.sources.models import resolve_model
+
+    smollm2 = resolve_model("smollm2").path
+    if SHAPES[shape] is None:
+        return "smollm2"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvfold.sources.models import DTYPES
+
+    raw = dict(SHAPES[shape])
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise where it will run: an 8B model's init on the CPU takes minutes
+        net = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    net.save_pretrained(folder)
+    del net
+    for name in _TOKENIZER_FILES:
+        if (smollm2 / name).is_file():
+            shutil.copy(smollm2 / name, folder / name)
+    return str(folder)
+
+
+def _timed(name: str, args: list[str], root: Path) -> dict:
+    """Run `kvfold ARGS` in a child process: wall seconds, its own peak RSS, and its peak CUDA memory."""
+    peak = root / f"{name}.peak.json"
+    cmd = [sys.executable, "-m", "kvfold.bench", "compile-stage", str(peak), *args]
+    t0 = time.perf_counter()
+    with open(root / f"{name}.out", "w+") as out, open(root / f"{name}.err", "w+") as err:
+        child = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    cuda = json.loads(peak.read_text())["cuda_peak_bytes"] if peak.is_file() else None
+    return {"stage": name, "rc": child.returncode, "wall_s": round(wall, 1),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "cuda_peak_mib": None if cuda is None else round(cuda / 2**20, 1),
+            "stdout": stdout, "stderr_tail": " | ".join(stderr.strip().splitlines()[-3:]),
+            "candidates_scored": sum(" candidate p=" in line for line in stderr.splitlines())}
+
+
+def run_stage(peak_file: Path, args: list[str]) -> int:
+    """The child of _timed: the kvfold command in this process, then its peak CUDA memory to `peak_file`."""
+    import torch
+
+    from kvfold.cli import app
+
+    try:
+        rc = app(args, standalone_mode=False) or 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    Path(peak_file).write_text(json.dumps({"cuda_peak_bytes": cuda}))
+    return rc
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -1,0 +1,25 @@
+"""`kvfold bench compile` end to end on the two-layer shape: every stage is the real command in its own
+process, and the JSON carries what each one took."""
+
+import json
+
+from tests.test_cli import assert_user_error, run
+
+
+def test_compile_times_every_stage(tmp_path):
+    out = tmp_path / "compile.json"
+    result = run("bench", "compile", "--shape", "tiny-llama", "--tokens", 1024, "--dtype", "float32",
+                 "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [s["stage"] for s in report["stages"]] == ["calibrate", "export", "verify"]
+    assert all(s["rc"] == 0 and s["wall_s"] > 0 and s["peak_rss_mib"] > 100 for s in report["stages"])
+    assert report["total_s"] >= sum(s["wall_s"] for s in report["stages"]) - 0.2
+    # random weights: a target every candidate meets, so the search walks its whole path (10 candidates; on this
+    # model's 16-dim heads, rounded to 8, fewer distinct rank sets, each scored once)
+    assert 2 <= report["export"]["candidates_scored"] <= 10 and report["random_weights"]
+    assert report["verify"]["meaningful"] is False and report["cuda_peak_mib"] is None
+
+
+def test_unknown_shape_is_one_line():
+    assert_user_error(run("bench", "compile", "--shape", "gpt5"), "--shape must be one of")
