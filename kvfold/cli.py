@@ -88,6 +88,9 @@ def export(
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
+    passkey: Annotated[int | None, typer.Option(help="Choose the most compressed passing point that retrieves as many "
+                                                "pass keys in prompts of this many tokens as the original [4096]; "
+                                                "0: skip (short contexts only).")] = None,
     dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32 (default), "
                                               "bfloat16 or float16; the written weights keep the source's "
                                               "dtype.")] = None,
@@ -102,7 +105,7 @@ def export(
         options = api.load_recipe(recipe, dict(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
-            allocation=allocation, format=format, context=context, dtype=dtype))
+            allocation=allocation, format=format, context=context, dtype=dtype, passkey=passkey))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))

@@ -20,11 +20,13 @@ from kvfold.io import atomic_dir
 from kvfold.plan.bits import BitRule, plan_bits
 from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
+from kvfold.plan.longrange import keep_passkeys
+from kvfold.plan.passkey import passkey_prompts
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
-from kvfold.plan.targets import for_accuracy, for_accuracy_bits, for_compression
+from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
 from kvfold.rewrite.factors.positions import fitted_statistics
@@ -91,9 +93,10 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                 return BitRule(theta_k=r, theta_v=r_v, **layers)
             return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, **layers)
 
+        passkey = None
         if previous is not None:
             curve = [CurvePoint.from_dict(p.model_dump()) for p in previous.curve]
-            best = _pick(curve, recipe, target)
+            best, passkey = _pick(curve, recipe, target, previous.passkey)
             measured = dict(eval_text=previous.eval_text, eval_tokens=previous.eval_tokens,
                             baseline_top1=previous.baseline_top1, baseline_ppl=previous.baseline_ppl)
         else:
@@ -113,6 +116,16 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                 best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
+            if target is not None and recipe.passkey:
+                like = next(net.parameters())
+
+                def patches_for(p: CurvePoint) -> dict:
+                    chosen_ = rule(p.r_k, p.r_v)
+                    if bits:
+                        return bit_patches(bases, plan_bits(bases, chosen_), like)
+                    return evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)))
+
+                best, passkey = _keep_passkeys(net, ref, recipe.passkey, curve, target, patches_for, log)
         log(f"chosen: {_candidate(best, recipe.eval_text)}; writing the checkpoint")
         chosen = rule(best.r_k, best.r_v)
         bit_plan = plan_bits(bases, chosen) if bits else None
@@ -135,7 +148,8 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             target_level=None if target is None else target.level, margin=0.0 if target is None else target.margin,
             rounding_multiple=1 if bits else recipe.multiple, min_rank=0 if bits else recipe.min_rank,
             head_dim=h.model.head_dim, k_bits=k_bits, v_bits=v_bits,
-            allocation=recipe.allocation, positions=positions, search_dtype=recipe.dtype, **_weight_fields(weights),
+            allocation=recipe.allocation, positions=positions, search_dtype=recipe.dtype, passkey=passkey,
+            **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,
             chosen=Point.model_validate(best.to_dict()), curve=[Point.model_validate(p.to_dict()) for p in curve],
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
@@ -208,10 +222,31 @@ def _positions(recipe: Recipe, previous: Manifest | None, net, rope: bool) -> in
     return recipe.context or net.config.get_text_config().max_position_embeddings
 
 
-def _pick(curve: list[CurvePoint], recipe: Recipe, target: Target | None) -> CurvePoint:
+def _pick(curve: list[CurvePoint], recipe: Recipe, target: Target | None,
+          checked: dict | None) -> tuple[CurvePoint, dict | None]:
+    """A point of a recorded curve, and its pass-key record when the previous export checked that very point.
+    Points whose pass-key check failed there are not picked."""
     if target is not None:
-        return best_point(curve, target, where="on the recorded curve")
+        rejected = {r["compression"] for r in (checked or {}).get("rejected", [])}
+        best = best_point([p for p in curve if p.compression not in rejected] or curve, target,
+                          where="on the recorded curve")
+        same = checked is not None and checked.get("compression") == best.compression
+        return best, checked if same else None
     ok = [p for p in curve if p.compression >= recipe.ratio]
     if not ok:
         raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")
-    return min(ok, key=lambda p: p.compression)
+    return min(ok, key=lambda p: p.compression), None
+
+
+def _keep_passkeys(net, ref, context: int, curve: list[CurvePoint], target: Target, patches_for,
+                   log: Callable[[str], None]) -> tuple[CurvePoint, dict]:
+    """plan/longrange.py on prompts of `context` tokens, or the model's whole context if shorter; skipped, and
+    recorded as such, where that has no room for the task."""
+    limit = getattr(net.config.get_text_config(), "max_position_embeddings", None) or context
+    try:
+        prompts = passkey_prompts(load_tokenizer(ref.path), min(context, limit))
+    except KVFoldError as e:
+        log(f"pass keys not checked: {e}")
+        return best_point(curve, target), {"skipped": str(e)}
+    log(f"pass keys at {len(prompts[0].ids)} tokens: the most compressed passing point that keeps the original's")
+    return keep_passkeys(net, ref.adapter, prompts, curve, target, patches_for, log)

@@ -17,7 +17,8 @@ __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 # 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
 # carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
 # scored on a mixture of texts carries each text's figures (`parts`). 1.4: `positions`, the context the
-# query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored.
+# query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
+# `passkey`, the long-context check of the chosen point.
 # Older files still load: `_upgrade` converts them.
 SCHEMA_VERSION = "1.5"
 MANIFEST_FILE = "kvfold.json"
@@ -104,6 +105,10 @@ class Manifest(_Frozen):
     positions: int | None = None
     # the dtype the model ran in while the curve was measured (export --dtype); before 1.5 always float32
     search_dtype: str = "float32"
+    # the chosen point's pass-key check (plan/longrange.py): context, prompts, original and retrieved key counts,
+    # and the more compressed points rejected on the way; None: not checked (--passkey 0, a ratio target,
+    # --reuse-curve, or before 1.5); {"skipped": why} where the model's context has no room for it
+    passkey: dict | None = None
     head_dim: int
     num_heads: int
     num_kv_heads: int

@@ -161,9 +161,13 @@ class Evaluator:
 
     def score(self, factors: list[LayerFactors] | None, compare: bool = True) -> Metrics:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
+        return self.score_patches({} if factors is None else self.patches(factors), compare)
+
+    def patches(self, factors: list[LayerFactors]) -> dict[int, AttentionPatch]:
+        """The attention patches that make the model the compressed one (layers left whole get none)."""
         like = next(self.model.parameters())
-        patches = {} if factors is None else {i: _patch(f, like) for i, f in enumerate(factors)}
-        return self.score_patches({i: p for i, p in patches.items() if p is not None}, compare)
+        patches = {i: _patch(f, like) for i, f in enumerate(factors)}
+        return {i: p for i, p in patches.items() if p is not None}
 
     def score_patches(self, patches: dict[int, AttentionPatch], compare: bool = True) -> Metrics:
         """The model with `patches` around its layers' attention (e.g. plan.stored's quantized caches)."""

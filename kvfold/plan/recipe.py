@@ -54,6 +54,10 @@ class Recipe(BaseModel):
     # usual choice on a GPU). Statistics and factors stay float64, and the written weights keep the source
     # checkpoint's dtype; the recorded figures are the ones measured in this dtype (verify re-measures).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Long context: of the points meeting the target, choose the most compressed that retrieves as many pass
+    # keys in prompts of this many tokens (capped at the model's context) as the original (plan/longrange.py).
+    # 0: skip (an export for short contexts only).
+    passkey: int = Field(default=4096, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -68,6 +72,8 @@ class Recipe(BaseModel):
             raise ValueError("give exactly one of accuracy, ratio or max_kl")
         if (self.metric == "kl") != (self.max_kl is not None) and self.ratio is None:
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
+        if 0 < self.passkey < 256:
+            raise ValueError("passkey must be 0 (skip) or at least 256 tokens")
         if self.format == "bits" and self.ratio is not None:
             raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
         return self

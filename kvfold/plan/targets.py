@@ -14,7 +14,7 @@ from kvfold.plan.search import CurvePoint, search_rate
 from kvfold.plan.stored import banded, compressed
 from kvfold.rewrite.factors import LayerBasis
 
-__all__ = ["for_accuracy", "for_accuracy_bits", "for_compression"]
+__all__ = ["bit_patches", "for_accuracy", "for_accuracy_bits", "for_compression"]
 
 
 def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
@@ -33,17 +33,10 @@ def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callabl
                       progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
     """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
     on the cache it would store (band codes and scales, plan/stored.py)."""
-    from kvfold_runtime import bands_from_bits
-
     like = next(evaluator.model.parameters())  # the model's dtype and device
 
     def score(plan: BitPlan):
-        patches = {}
-        for i, f in enumerate(factors_for(bases, plan.ranks())):
-            k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
-            v_bands = [bands_from_bits(h) for h in plan.v_bits[i]]
-            patches[i] = compressed(f, like, banded(k_bands), banded(v_bands))
-        return evaluator.score_patches(patches), evaluator.baseline
+        return evaluator.score_patches(bit_patches(bases, plan, like)), evaluator.baseline
 
     # θ from 1e-7 (about 8 bits for a head's average dim: int8-like) to 0.1 (nearly every dim dropped)
     return search_rate(lambda rule_: plan_bits(bases, rule_), score, target, rule, r_lo=1e-7, r_hi=0.1,
@@ -67,3 +60,16 @@ def for_compression(bases, evaluator: Evaluator, target: float,
     cand, base = _scorer(bases, evaluator)(ranks)
     point = CurvePoint.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)
     return point, [point]
+
+
+def bit_patches(bases: list[LayerBasis], plan: BitPlan, like) -> dict:
+    """Every layer's attention on the bit-band cache `plan` stores (codes and scales), in the dtype and on
+    the device of `like`."""
+    from kvfold_runtime import bands_from_bits
+
+    patches = {}
+    for i, f in enumerate(factors_for(bases, plan.ranks())):
+        k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
+        v_bands = [bands_from_bits(h) for h in plan.v_bits[i]]
+        patches[i] = compressed(f, like, banded(k_bands), banded(v_bands))
+    return patches
