@@ -265,3 +265,16 @@ def test_device_cuda_without_a_gpu_is_one_line(setup, tmp_path, command):
     result = run(command, model, *args, "--device", "cuda", "-o", out)
     assert_user_error(result, "--device cuda: this torch sees no CUDA device", out)
     assert_user_error(run(command, model, *args, "--device", "tpu", "-o", out), "--device must be one of", out)
+
+
+def test_the_chosen_points_pass_keys_are_recorded(setup, tmp_path):
+    """An accuracy export checks its chosen point's pass keys (plan/longrange.py) and records it — on this
+    model's 256-token context there is no room for the task, which is recorded as skipped; --passkey 0 skips
+    the check, and a length under 256 is refused."""
+    assert _export(setup, tmp_path / "a", "--accuracy", 0.8).exit_code == 0
+    record = Manifest.load(tmp_path / "a").passkey
+    assert record is not None and ("skipped" in record or record["retrieved"] >= record["original"])
+    assert _export(setup, tmp_path / "b", "--accuracy", 0.8, "--passkey", 0).exit_code == 0
+    assert Manifest.load(tmp_path / "b").passkey is None
+    assert_user_error(_export(setup, tmp_path / "c", "--accuracy", 0.8, "--passkey", 100),
+                      "passkey must be 0 (skip) or at least 256 tokens", tmp_path / "c")
