@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from kvfold.plan.ranks import RankPlan
-from kvfold.rewrite.factors import LayerBasis, LayerFactors
+from kvfold.rewrite.factors import LayerBasis
 
-__all__ = ["SCALE_BITS", "BitPlan", "BitRule", "balanced", "dim_bits", "plan_bits", "theta_for_mean_bits"]
+__all__ = ["SCALE_BITS", "BitPlan", "BitRule", "dim_bits", "plan_bits", "theta_for_mean_bits"]
 
 SCALE_BITS = 16  # a band's per-token float16 scale (kvfold_runtime.bands.SCALE_BYTES), charged in the allocation
 
@@ -158,28 +158,3 @@ def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int,
             hi = mid
     return math.exp(hi)
 
-
-def balanced(factors: LayerFactors, k_gram: torch.Tensor, v_gram: torch.Tensor) -> LayerFactors:
-    """The same attention with every stored dim of a head scaled to the variance of the head's first dim.
-
-    A band shares one per-token scale, its largest |value|, so without this a dim 4× smaller in variance than
-    its band's first gets 2× its share of the rounding error, while the allocation above charges dim j
-    λ_j·2^(−2b) as if it were quantized on its own scale. Scaling k'_j by 1/s_j and q'_j by s_j (v'_j by 1/s_j
-    and B_h's column j by s_j) leaves every score and output unchanged in exact arithmetic, costs nothing at
-    run time (it is baked into the weights), and makes the rounding error of each dim proportional to its
-    own variance. s_j² = E[k'_j²] / E[k'_0²] from the Grams ([H_kv, d, d], the statistics the factors were
-    fitted to)."""
-    def scales(mats: list[torch.Tensor], gram: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for g, m in enumerate(mats):
-            var = torch.einsum("dj,de,ej->j", m, gram[g].to(m), m).clamp_min(0)
-            top = var.max() if var.numel() else var.new_ones(())
-            out.append((var / top).sqrt().clamp_min(1e-6) if float(top) > 0 else torch.ones_like(var))
-        return out
-
-    sk, sv = scales(factors.qk_b, k_gram), scales(factors.v_a, v_gram)
-    kv = [h // factors.group for h in range(len(factors.qk_a))]
-    return LayerFactors(qk_a=[a * sk[kv[h]] for h, a in enumerate(factors.qk_a)],
-                        qk_b=[b / s for b, s in zip(factors.qk_b, sk, strict=True)],
-                        v_a=[a / s for a, s in zip(factors.v_a, sv, strict=True)],
-                        o_b=[b * sv[kv[h]] for h, b in enumerate(factors.o_b)], group=factors.group)

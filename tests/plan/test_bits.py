@@ -55,28 +55,3 @@ def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
         # the most bits within the budget; a band opening moves several dims at once, so not exactly it
         assert bits - 0.75 <= got <= bits
 
-
-def test_balanced_factors_give_the_same_attention_with_equal_variance_dims():
-    from kvfold.plan.bits import balanced
-    from kvfold.rewrite.factors import LayerFactors
-
-    g = torch.Generator().manual_seed(0)
-    d, group = 8, 2
-
-    def gram():
-        x = torch.randn(500, d, generator=g, dtype=torch.float64) * torch.logspace(0, -2, d, dtype=torch.float64)
-        return x.T @ x
-
-    k_gram, v_gram = torch.stack([gram(), gram()]), torch.stack([gram(), gram()])
-    rot = [torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0][:, :r] for r in (5, 3)]
-    f = LayerFactors(qk_a=[rot[h // group] * 1.7 for h in range(4)], qk_b=rot, v_a=rot,
-                     o_b=[rot[h // group] for h in range(4)], group=group)
-    b = balanced(f, k_gram, v_gram)
-    # every score and output is unchanged
-    assert torch.allclose(b.qk_projection(), f.qk_projection(), atol=1e-12)
-    assert torch.allclose(b.o_projection(), f.o_projection(), atol=1e-12)
-    # what the cache stores has one variance per head (the largest dim's), for keys and values
-    for mats, gram_ in ((b.qk_b, k_gram), (b.v_a, v_gram)):
-        for m, gg in zip(mats, gram_, strict=True):
-            var = torch.einsum("dj,de,ej->j", m, gg, m)
-            assert torch.allclose(var, var.max().expand_as(var), rtol=1e-9)
