@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvfold.errors import KVFoldError
+from kvfold.plan.bits import V_SCALE
 from kvfold.plan.criteria import Target
 
 __all__ = ["Recipe", "load_recipe"]
@@ -32,7 +33,9 @@ class Recipe(BaseModel):
     eval_tokens: int = Field(default=16384, ge=1)  # ±0.4% standard error on SmolLM2 top-1 ratio
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
-    v_scale: float = Field(default=1.0, gt=0.0)  # r_v = v_scale · r_k along the searched family
+    # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: 1 for ranks, plan.bits.V_SCALE
+    # for bits (keys need more bits than one θ gives them)
+    v_scale: float = Field(default=None, gt=0.0)  # type: ignore[assignment]  # set below
     # sensitivity: per-layer multipliers of r from measured costs (plan/sensitivity.py); eq6: one r for
     # every head, as in the papers
     allocation: Literal["sensitivity", "eq6"] = "sensitivity"
@@ -64,6 +67,8 @@ class Recipe(BaseModel):
     def _default_metric(cls, data):
         if isinstance(data, dict) and data.get("metric") is None:
             data = {**data, "metric": "kl" if data.get("max_kl") is not None else "joint"}
+        if isinstance(data, dict) and data.get("v_scale") is None:
+            data = {**data, "v_scale": V_SCALE if data.get("format") == "bits" else 1.0}
         return data
 
     @model_validator(mode="after")

@@ -38,8 +38,11 @@ def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callabl
     def score(plan: BitPlan):
         return evaluator.score_patches(bit_patches(bases, plan, like)), evaluator.baseline
 
-    # θ from 1e-7 (about 8 bits for a head's average dim: int8-like) to 0.1 (nearly every dim dropped)
-    return search_rate(lambda rule_: plan_bits(bases, rule_), score, target, rule, r_lo=1e-7, r_hi=0.1,
+    # θ from 1e-7 on the side with the larger θ (about 8 bits for a head's average dim: int8-like) to θ_k = 0.1
+    # (nearly every dim dropped)
+    unit = rule(1.0)
+    r_lo = 1e-7 / max(1.0, unit.theta_v / unit.theta_k)
+    return search_rate(lambda rule_: plan_bits(bases, rule_), score, target, rule, r_lo=r_lo, r_hi=0.1,
                        progress=progress)
 
 

@@ -2,8 +2,9 @@
 cache in the bit-band format (kvfold_runtime.bands: per-token float16 scale per band, counted).
 
 The knob is the mean bits per stored number before scales; each is turned into the θ of the
-water-filling (no per-layer multipliers) and then the per-layer sensitivity multipliers of kvfold's
-ranks scale θ as they scale r. Bytes are the real per-token row bytes (codes + scales) of every head.
+water-filling (θ_v = V_SCALE·θ_k as export does, no per-layer multipliers) and then the per-layer
+sensitivity multipliers of kvfold's ranks scale θ as they scale r. Bytes are the real per-token row bytes
+(codes + scales) of every head.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvfold.plan.bits import BitRule, plan_bits, theta_for_mean_bits
+from kvfold.plan.bits import V_SCALE, BitRule, plan_bits, theta_for_mean_bits
 from kvfold.plan.ranks import factors_for
 
 from ..patches import banded, compressed
@@ -35,8 +36,8 @@ class KVFoldBits:
         weights = setup.layer_weights()
         rule = BitRule(1.0, 1.0)
         for bits in self.grid:
-            theta = theta_for_mean_bits(bases, bits, rule.widths)
-            plan = plan_bits(bases, BitRule(theta, theta, rule.widths, weights.k, weights.v))
+            theta = theta_for_mean_bits(bases, bits, rule.widths, V_SCALE)  # export's default K/V split
+            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, rule.widths, weights.k, weights.v))
             patches, stored = {}, 0
             for i, f in enumerate(factors_for(bases, plan.ranks())):
                 k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
