@@ -77,8 +77,8 @@ def export(
     multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this [8].")] = None,
     min_rank: Annotated[int | None, typer.Option(help="Smallest rank of any head [8].")] = None,
     v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K [1; bits: 64].")] = None,
-    allocation: Annotated[str | None, typer.Option(help="sensitivity (per-layer rates from measured costs, "
-                                                   "default) or eq6 (one rate, the papers').")] = None,
+    allocation: Annotated[str | None, typer.Option(help="eq6 (one rate, the papers', default) or sensitivity "
+                                                   "(per-layer rates from measured costs).")] = None,
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
                                                  "unfavourable side [1].")] = None,
     format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks, default) or bits (each "

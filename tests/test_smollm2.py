@@ -136,13 +136,12 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     held on 2026-11-25, top-1 0.9963 ± 0.0026, perplexity ratio 1.0064 ± 0.0017, and missed on 2026-11-23
     before the target had to hold on each text alone). The pass keys are required: export chooses the most
     compressed passing point that keeps the original's keys (plan/longrange.py); before it did, this export
-    kept 2 of the original's 6 at 1,024 tokens (2026-11-25). To fit CI (2 cores) the search and verify score
-    4,096 tokens instead of 16,384, the sensitivity probes 1,024 instead of 4,096, and the pass keys are
-    checked at 1,024 tokens instead of 4,096: the standard errors double, and the target must hold on each
-    text alone (4 windows each, 1-se margin per text), so the search picks a milder point than the full
-    defaults."""
+    kept 2 of the original's 6 at 1,024 tokens (2026-11-25, sensitivity allocation, the default then). To fit
+    CI (2 cores) the search and verify score 4,096 tokens instead of 16,384 and the pass keys are checked at
+    1,024 tokens instead of 4,096: the standard errors double, and the target must hold on each text alone
+    (4 windows each, 1-se margin per text), so the search picks a milder point than the full defaults."""
     api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=16384)
-    recipe = Recipe(accuracy=0.99, eval_tokens=4096, sensitivity_tokens=1024, passkey=1024)
+    recipe = Recipe(accuracy=0.99, eval_tokens=4096, passkey=1024)
     m = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe).manifest
     assert m.metric == "joint" and m.eval_text == "wiki:dev+pydoc:dev" and m.accuracy_target().met(m.chosen)
     assert m.chosen.compression > 0  # it compresses

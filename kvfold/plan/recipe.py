@@ -36,9 +36,11 @@ class Recipe(BaseModel):
     # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: 1 for ranks, plan.bits.V_SCALE
     # for bits (keys need more bits than one θ gives them)
     v_scale: float = Field(default=None, gt=0.0)  # type: ignore[assignment]  # set below
-    # sensitivity: per-layer multipliers of r from measured costs (plan/sensitivity.py); eq6: one r for
-    # every head, as in the papers
-    allocation: Literal["sensitivity", "eq6"] = "sensitivity"
+    # eq6: one r for every head, as in the papers. sensitivity: per-layer multipliers of r from costs measured on
+    # 512-token windows (plan/sensitivity.py), which cut layers that long-range retrieval needs: with the pass-key
+    # check (plan/longrange.py) SmolLM2's 0.99 export kept p = 0.0201 with eq6 and 0.0111 with sensitivity
+    # (README "Long context"), so eq6 is the default.
+    allocation: Literal["sensitivity", "eq6"] = "eq6"
     sensitivity_tokens: int = Field(default=4096, ge=1)  # first tokens of eval_text used to measure costs
     # Every bound of the target is checked `margin` paired standard errors on the unfavourable side: a
     # lower confidence bound instead of the point estimate (1.0 ≈ 84% one-sided; 0 = the plain
