@@ -55,6 +55,9 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
     if shape not in SHAPES:
         raise KVFoldError(f"--shape must be one of {', '.join(SHAPES)}, got '{shape}'")
     device = resolve_device(device)
+    if device == "cpu" and shape.endswith(("-7b", "-8b")):
+        raise KVFoldError(f"--shape {shape} is a GPU benchmark (its calibration alone would take hours on a CPU); "
+                          "run it with --device cuda, or use --shape smollm2 here")
     with tempfile.TemporaryDirectory(prefix="kvfold-bench-compile-") as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
@@ -116,6 +119,8 @@ def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
         net = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     net.save_pretrained(folder)
     del net
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the stages run in child processes: leave them the whole GPU
     for name in _TOKENIZER_FILES:
         if (smollm2 / name).is_file():
             shutil.copy(smollm2 / name, folder / name)

@@ -21,5 +21,6 @@ def test_compile_times_every_stage(tmp_path):
     assert report["verify"]["meaningful"] is False and report["cuda_peak_mib"] is None
 
 
-def test_unknown_shape_is_one_line():
+def test_unknown_shape_and_an_8b_shape_on_the_cpu_are_one_line():
     assert_user_error(run("bench", "compile", "--shape", "gpt5"), "--shape must be one of")
+    assert_user_error(run("bench", "compile", "--shape", "llama3-8b", "--device", "cpu"), "is a GPU benchmark")
