@@ -31,7 +31,7 @@ from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
 from kvfold.rewrite.factors.positions import fitted_statistics
 from kvfold.rewrite.weights import o_proj_heads
-from kvfold.sources.models import load_model, resolve_device, resolve_model, source_dtype, weights_sha256
+from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, source_dtype, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
@@ -117,13 +117,16 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             measured = dict(eval_text=recipe.eval_text, eval_tokens=evaluator.baseline.tokens,
                             baseline_top1=evaluator.baseline.top1, baseline_ppl=evaluator.baseline.ppl)
             if target is not None and recipe.passkey:
+                # Checked in the checkpoint's own dtype, as it will be served and verified: a key at the edge
+                # can flip between dtypes (measured: a bfloat16 search's check kept 10/10, float32 lost one).
+                net = _in_source_dtype(net, ref, device)
                 like = next(net.parameters())
 
                 def patches_for(p: CurvePoint) -> dict:
                     chosen_ = rule(p.r_k, p.r_v)
                     if bits:
                         return bit_patches(bases, plan_bits(bases, chosen_), like)
-                    return evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)))
+                    return evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)), like)
 
                 best, passkey = _keep_passkeys(net, ref, recipe.passkey, curve, target, patches_for, log)
         log(f"chosen: {_candidate(best, recipe.eval_text)}; writing the checkpoint")
@@ -131,10 +134,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
         bit_plan = plan_bits(bases, chosen) if bits else None
         ranks = bit_plan.ranks() if bits else plan_ranks(bases, chosen)
         k_bits, v_bits = bit_plan.kept_bits() if bits else (None, None)
-        stored = source_dtype(ref)
-        if stored != recipe.dtype:  # weights read again in the checkpoint's own dtype, not the measured one's
-            net = load_model(ref, stored, device)
-        baked = bake(net, ref.adapter, factors_for(bases, ranks))
+        baked = bake(_in_source_dtype(net, ref, device), ref.adapter, factors_for(bases, ranks))
         h = stats.header
         manifest = Manifest(
             kvfold_version=kvfold.__version__, torch_version=torch.__version__,
@@ -236,6 +236,15 @@ def _pick(curve: list[CurvePoint], recipe: Recipe, target: Target | None,
     if not ok:
         raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")
     return min(ok, key=lambda p: p.compression), None
+
+
+def _in_source_dtype(net, ref, device: str):
+    """`net` itself, or the model read again in the source checkpoint's dtype when the search ran in another:
+    what is baked and written, and what the pass keys are checked on."""
+    stored = source_dtype(ref)
+    if next(net.parameters()).dtype == DTYPES[stored]:
+        return net
+    return load_model(ref, stored, device)
 
 
 def _keep_passkeys(net, ref, context: int, curve: list[CurvePoint], target: Target, patches_for,

@@ -163,9 +163,10 @@ class Evaluator:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
         return self.score_patches({} if factors is None else self.patches(factors), compare)
 
-    def patches(self, factors: list[LayerFactors]) -> dict[int, AttentionPatch]:
-        """The attention patches that make the model the compressed one (layers left whole get none)."""
-        like = next(self.model.parameters())
+    def patches(self, factors: list[LayerFactors], like: torch.Tensor | None = None) -> dict[int, AttentionPatch]:
+        """The attention patches that make the model the compressed one (layers left whole get none), in the
+        dtype and on the device of `like` (default: this model's)."""
+        like = next(self.model.parameters()) if like is None else like
         patches = {i: _patch(f, like) for i, f in enumerate(factors)}
         return {i: p for i, p in patches.items() if p is not None}
 
