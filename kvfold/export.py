@@ -21,7 +21,7 @@ from kvfold.plan.bits import BitRule, plan_bits
 from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.longrange import keep_passkeys
-from kvfold.plan.passkey import passkey_prompts
+from kvfold.plan.passkey import passkey_length, passkey_prompts
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
@@ -251,9 +251,8 @@ def _keep_passkeys(net, ref, context: int, curve: list[CurvePoint], target: Targ
                    log: Callable[[str], None]) -> tuple[CurvePoint, dict]:
     """plan/longrange.py on prompts of `context` tokens, or the model's whole context if shorter; skipped, and
     recorded as such, where that has no room for the task."""
-    limit = getattr(net.config.get_text_config(), "max_position_embeddings", None) or context
     try:
-        prompts = passkey_prompts(load_tokenizer(ref.path), min(context, limit))
+        prompts = passkey_prompts(load_tokenizer(ref.path), passkey_length(net, context))
     except KVFoldError as e:
         log(f"pass keys not checked: {e}")
         return best_point(curve, target), {"skipped": str(e)}

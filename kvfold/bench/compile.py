@@ -1,5 +1,6 @@
-"""`kvfold bench compile`: the whole compile of one model — calibrate → export (sensitivity pass, the
-accuracy search, bake and write) → verify — timed stage by stage, with each stage's peak memory.
+"""`kvfold bench compile`: the whole compile of one model — calibrate → export (the accuracy search, the
+pass-key check, bake and write; the sensitivity pass too under that allocation) → verify — timed stage by
+stage, with each stage's peak memory.
 
 Each stage is the real `kvfold` command, run in its own process (`compile-stage` below), so its peak RSS is
 its own (os.wait4) and its peak CUDA memory is torch's high-water mark inside it.

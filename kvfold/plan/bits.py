@@ -164,4 +164,3 @@ def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int,
         else:
             hi = mid
     return math.exp(hi)
-

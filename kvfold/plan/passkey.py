@@ -24,7 +24,7 @@ from torch import nn
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_hits", "passkey_prompts", "passkey_summary"]
+__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_hits", "passkey_length", "passkey_prompts", "passkey_summary"]
 
 INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -64,6 +64,11 @@ def passkey_prompts(tokenizer, context: int, depths: tuple[float, ...] = DEPTHS,
         prompts.append(PasskeyPrompt(ids=torch.tensor(prompt, dtype=torch.long),
                                      answer=len(with_answer) - len(question), depth=depth, key=key))
     return prompts
+
+
+def passkey_length(model: nn.Module, context: int) -> int:
+    """The prompt length export's check and verify use: `context`, or the model's whole context if shorter."""
+    return min(context, getattr(model.config.get_text_config(), "max_position_embeddings", None) or context)
 
 
 def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:

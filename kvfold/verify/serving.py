@@ -13,7 +13,7 @@ from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.plan.evaluate import Reference, score_model
-from kvfold.plan.passkey import passkey_hits, passkey_prompts, passkey_summary
+from kvfold.plan.passkey import passkey_hits, passkey_length, passkey_prompts, passkey_summary
 from kvfold.plan.search import CurvePoint
 from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
@@ -143,7 +143,7 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
     export must retrieve as many keys as the original ("no worse": a retrieval rate, so one key won where
     another is lost is a tie; the keys lost are named in the detail). Skipped, and said so, where the model's
     context has no room for the task."""
-    context = min(context, getattr(original.config, "max_position_embeddings", None) or context)
+    context = passkey_length(original, context)
     try:
         prompts = passkey_prompts(tokenizer, context)
     except KVFoldError as e:
