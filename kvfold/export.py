@@ -147,7 +147,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
             target=f"compression>={recipe.ratio}" if target is None else target.describe(),
             target_level=None if target is None else target.level, margin=0.0 if target is None else target.margin,
             rounding_multiple=1 if bits else recipe.multiple, min_rank=0 if bits else recipe.min_rank,
-            head_dim=h.model.head_dim, k_bits=k_bits, v_bits=v_bits,
+            head_dim=h.model.head_dim, k_bits=k_bits, v_bits=v_bits, band_scale=chosen.scale if bits else "float16",
             allocation=recipe.allocation, positions=positions, search_dtype=recipe.dtype, passkey=passkey,
             **_weight_fields(weights),
             num_heads=h.model.num_heads, num_kv_heads=h.model.num_kv_heads, d_k=ranks.d_k, d_v=ranks.d_v,

@@ -250,7 +250,8 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
     assert m.k_bits is not None and [[len(h) for h in layer] for layer in m.k_bits] == m.d_k
     assert all(b in (2, 3, 4, 5, 6, 8, 16) for side in (m.k_bits, m.v_bits) for layer in side for h in layer
                for b in h)
-    assert json.loads((out / "config.json").read_text())["kvfold"]["v_bits"] == m.v_bits
+    block = json.loads((out / "config.json").read_text())["kvfold"]
+    assert block["v_bits"] == m.v_bits and block["band_scale"] == m.band_scale == "log8"
     per_token = sum(row_bytes(bands_from_bits(h)) for side in (m.k_bits, m.v_bits) for layer in side for h in layer)
     fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)
     assert m.chosen.compression == pytest.approx(1 - per_token / fp16) and m.chosen.compression > 0.5

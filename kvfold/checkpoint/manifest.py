@@ -18,9 +18,10 @@ __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 # carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
 # scored on a mixture of texts carries each text's figures (`parts`). 1.4: `positions`, the context the
 # query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
-# `passkey`, the long-context check of the chosen point.
+# `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
+# (one-byte log8; before, float16).
 # Older files still load: `_upgrade` converts them.
-SCHEMA_VERSION = "1.5"
+SCHEMA_VERSION = "1.6"
 MANIFEST_FILE = "kvfold.json"
 
 
@@ -118,6 +119,8 @@ class Manifest(_Frozen):
     # cache stores k', v' in the model's dtype (rank format)
     k_bits: list[list[list[int]]] | None = None
     v_bits: list[list[list[int]]] | None = None
+    # bits format: each band's per-token scale format (kvfold_runtime.bands.SCALES); before 1.6 always float16
+    band_scale: str = "float16"
     chosen: Point
     curve: list[Point]
     extra_tensors: list[str]  # post-RoPE projections (RoPE models): names in the safetensors files
@@ -128,7 +131,7 @@ class Manifest(_Frozen):
         block = {"schema_version": self.schema_version, "d_k": self.d_k, "d_v": self.d_v,
                  "post_rope_projections": bool(self.extra_tensors)}
         if self.k_bits is not None:
-            block |= {"k_bits": self.k_bits, "v_bits": self.v_bits}
+            block |= {"k_bits": self.k_bits, "v_bits": self.v_bits, "band_scale": self.band_scale}
         return block
 
     def accuracy_target(self) -> Target | None:

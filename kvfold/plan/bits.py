@@ -7,11 +7,12 @@ same proxy the rank rule uses. Storing dim j at b bits costs about λ_j·2^(−2
 a variance-λ number), dropping it λ_j. Reverse water-filling minimises Σ cost for a bit budget; over a
 discrete set of widths, for a multiplier θ, each head's widths minimise
 
-    Σ_j λ̂_j · 2^(−2b_j) + θ · b_j   +   θ · 16 · (bands of 2..8 bits)
+    Σ_j λ̂_j · 2^(−2b_j) + θ · b_j   +   θ · 8 · (bands of 2..8 bits)
 
 with λ̂ the head's λ normalised to sum 1, so one θ means the same relative distortion in every head (as
 one removal rate r does for ranks), and the last term charges each band its per-token float16 scale
-(without it, SmolLM2 at 4 bits per number spent 0.089 of the fp16 bytes on scales; with it 0.032). Widths
+(one byte, kvfold_runtime.bands "log8"; without this term SmolLM2 at 4 bits per number spent 0.089 of the
+fp16 bytes on float16 scales, with it 0.032). Widths
 never increase along the dims (λ descending), so equal widths form contiguous bands
 (kvfold_runtime.bands); a dynamic programme over (dim, width) finds the exact minimum. Larger θ, fewer
 bits. Per-layer sensitivity multipliers scale θ exactly as they scale r (plan/sensitivity.py). The
@@ -28,9 +29,12 @@ import torch
 from kvfold.plan.ranks import RankPlan
 from kvfold.rewrite.factors import LayerBasis
 
-__all__ = ["SCALE_BITS", "V_SCALE", "BitPlan", "BitRule", "dim_bits", "plan_bits", "theta_for_mean_bits"]
+__all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "dim_bits", "plan_bits", "theta_for_mean_bits"]
 
-SCALE_BITS = 16  # a band's per-token float16 scale (kvfold_runtime.bands.SCALE_BYTES), charged in the allocation
+# The bands' per-token scale format (kvfold_runtime.bands.SCALES), charged in the allocation at its bits. log8
+# (one byte, steps of 2^(1/8)) against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
+# V_SCALE): float16 scales at 0.297 of fp16's bytes gave KL 0.057, log8 at 0.2775 gave KL 0.043.
+SCALE = "log8"
 # θ_v = V_SCALE · θ_k by default: the proxy above underprices keys' rounding error (it passes through the softmax),
 # so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096 wiki:eval
 # tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio 1.075, KL 0.084; 4 → 0.991,
@@ -46,6 +50,7 @@ class BitRule:
     widths: tuple[int, ...] = (0, 2, 3, 4, 5, 6, 8, 16)  # allowed band widths (kvfold_runtime.bands.WIDTHS)
     layer_k: tuple[float, ...] = ()  # per-layer multipliers of theta (sensitivity allocation); () = all 1
     layer_v: tuple[float, ...] = ()
+    scale: str = SCALE  # the bands' scale format (kvfold_runtime.bands.SCALES)
 
     @property
     def r_k(self) -> float:  # the search's knob, recorded in the curve as r_k / r_v (plan/search.py)
@@ -66,6 +71,13 @@ class BitPlan:
     k_bits: list[list[list[int]]]  # [layer][kv head][dim], non-increasing along dims; 0 = dropped
     v_bits: list[list[list[int]]]
     head_dim: int
+    scale: str = SCALE  # the bands' scale format (kvfold_runtime.bands.SCALES)
+
+    def bands(self, side: str, layer: int) -> list:
+        """Layer `layer`'s bands per KV head (kvfold_runtime.bands.Band), side "k" or "v"."""
+        from kvfold_runtime import bands_from_bits
+
+        return [bands_from_bits(h, self.scale) for h in (self.k_bits if side == "k" else self.v_bits)[layer]]
 
     def ranks(self) -> RankPlan:
         """The dims each head keeps at all (its bases are truncated to these)."""
@@ -79,10 +91,10 @@ class BitPlan:
 
     def bytes_per_token(self) -> int:
         """Cached bytes per token, every layer's keys and values: codes and scales (kvfold_runtime.bands)."""
-        from kvfold_runtime import band_row_bytes, bands_from_bits
+        from kvfold_runtime import band_row_bytes
 
-        return sum(band_row_bytes(bands_from_bits(head)) for side in (self.k_bits, self.v_bits) for layer in side
-                   for head in layer)
+        return sum(band_row_bytes(h) for side in "kv" for layer in range(len(self.k_bits))
+                   for h in self.bands(side, layer))
 
     @property
     def compression(self) -> float:
@@ -104,9 +116,9 @@ class BitPlan:
         return sum(every) / len(every)
 
 
-def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...]) -> list[int]:
+def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scale_bits: int = 8) -> list[int]:
     """One head's widths from its spectrum (descending σ): the non-increasing sequence b_0 ≥ b_1 ≥ … that
-    minimises Σ_j (λ̂_j·2^(−2b_j) + θ·b_j) + θ·SCALE_BITS·(bands below 16 bits) — the water-filling above,
+    minimises Σ_j (λ̂_j·2^(−2b_j) + θ·b_j) + θ·scale_bits·(bands below 16 bits) — the water-filling above,
     charged for each band's per-token scale. Dynamic programming over (dim, width): a band opens where the
     width steps down."""
     lam = spectrum.double() ** 2
@@ -114,7 +126,7 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...]) -> l
     if total == 0.0:
         return [0] * len(spectrum)
     ws = sorted(widths, reverse=True)
-    opening = [theta * SCALE_BITS if 0 < w < 16 else 0.0 for w in ws]
+    opening = [theta * scale_bits if 0 < w < 16 else 0.0 for w in ws]
     # cost[w]: the best cost of dims 0..j with dim j at width ws[w]; came[j][w]: dim j−1's width index
     cost, came = None, []
     for x in (lam / total).tolist():
@@ -145,12 +157,14 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...]) -> l
 
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
-    k_bits, v_bits = [], []
+    from kvfold_runtime.bands import SCALES
+
+    k_bits, v_bits, scale_bits = [], [], 8 * SCALES[rule.scale]
     for i, b in enumerate(bases):
         tk, tv = rule.thetas(i)
-        k_bits.append([dim_bits(s, tk, rule.widths) for s in b.qk_spectrum])
-        v_bits.append([dim_bits(s, tv, rule.widths) for s in b.v_spectrum])
-    return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1])
+        k_bits.append([dim_bits(s, tk, rule.widths, scale_bits) for s in b.qk_spectrum])
+        v_bits.append([dim_bits(s, tv, rule.widths, scale_bits) for s in b.v_spectrum])
+    return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1], scale=rule.scale)
 
 
 def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...], v_scale: float = 1.0) -> float:

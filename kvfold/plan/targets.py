@@ -68,11 +68,5 @@ def for_compression(bases, evaluator: Evaluator, target: float,
 def bit_patches(bases: list[LayerBasis], plan: BitPlan, like) -> dict:
     """Every layer's attention on the bit-band cache `plan` stores (codes and scales), in the dtype and on
     the device of `like`."""
-    from kvfold_runtime import bands_from_bits
-
-    patches = {}
-    for i, f in enumerate(factors_for(bases, plan.ranks())):
-        k_bands = [bands_from_bits(h) for h in plan.k_bits[i]]
-        v_bands = [bands_from_bits(h) for h in plan.v_bits[i]]
-        patches[i] = compressed(f, like, banded(k_bands), banded(v_bands))
-    return patches
+    return {i: compressed(f, like, banded(plan.bands("k", i)), banded(plan.bands("v", i)))
+            for i, f in enumerate(factors_for(bases, plan.ranks()))}

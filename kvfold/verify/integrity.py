@@ -48,7 +48,8 @@ def _config(directory: Path, m: Manifest) -> tuple[Check, dict | None]:
                         f"[{runtime_architecture(m.source.architecture)}]")
     if block.get("d_k") != m.d_k or block.get("d_v") != m.d_v:
         problems.append("the kvfold block's d_k/d_v differ from the manifest's")
-    if block.get("k_bits") != m.k_bits or block.get("v_bits") != m.v_bits:
+    if block.get("k_bits") != m.k_bits or block.get("v_bits") != m.v_bits or (
+            m.k_bits is not None and block.get("band_scale", "float16") != m.band_scale):
         problems.append("the kvfold block's bit widths differ from the manifest's")
     return Check("config", not problems, "; ".join(problems) or "config.json agrees with the manifest"), config
 

@@ -51,7 +51,7 @@ def _live_cache(model, ids: torch.Tensor):
 
 
 def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]], k_bits: list | None = None,
-                      v_bits: list | None = None) -> int:
+                      v_bits: list | None = None, band_scale: str = "float16") -> int:
     """Bytes the export's cache must hold for the same tokens: in every layer, as many tokens as the
     original's layer holds (all of them, or a sliding window's last ones) at that layer's widths
     Σd_k + Σd_v, in the same dtype — or, for a bits-format export, that layer's band rows (codes and
@@ -65,7 +65,7 @@ def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]]
         else:
             from kvfold_runtime import band_row_bytes, bands_from_bits
 
-            per_token = sum(band_row_bytes(bands_from_bits(h)) for h in (*k_bits[i], *v_bits[i]))
+            per_token = sum(band_row_bytes(bands_from_bits(h, band_scale)) for h in (*k_bits[i], *v_bits[i]))
         total += keys.shape[0] * keys.shape[-2] * per_token
     return total
 
@@ -124,7 +124,7 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
     ids = first.ids[0][None]  # one evaluation window, [1, T]
     caches = {"original": _live_cache(original, ids), "exported": _live_cache(served, ids)}
     total = {k: require_runtime().kv_cache_bytes(c) for k, c in caches.items()}
-    expected = expected_kv_bytes(caches["original"], m.d_k, m.d_v, m.k_bits, m.v_bits)
+    expected = expected_kv_bytes(caches["original"], m.d_k, m.d_v, m.k_bits, m.v_bits, m.band_scale)
     per_token = {k: v / ids.numel() for k, v in total.items()}
     report.kv_bytes_per_token = {k: int(v) if v == int(v) else v for k, v in per_token.items()}
     report.kv_bytes_ratio = total["exported"] / total["original"]

@@ -9,7 +9,7 @@ dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and t
 first use: triton is needed only where they run).
 
 The bit-band cache format of `--format bits` exports (a head's rotated dims in contiguous bands of one
-bit width, a float16 scale per band per token; layout in `kvfold_runtime.bands`): `Band`,
+bit width, a one-byte scale per band per token; layout in `kvfold_runtime.bands`): `Band`,
 `bands_from_bits` (a head's per-dim widths → its bands), `band_row_bytes` (bytes per token of a head's
 row: codes and scales) and `band_roundtrip` (quantize then dequantize, what the cache's reader sees).
 

@@ -9,8 +9,9 @@ these layouts: in the transformers cache as two tensors, in vLLM's paged cache a
 transformers path all read these layouts; none pads a head.
 
 A bits-format export (config `kvfold.k_bits` / `v_bits`: per layer, per KV head, the bit width of each
-kept dim) stores each head's dims in bit bands instead (kvfold_runtime.bands): the transformers cache then
-holds per token [Σ_g row_bytes] uint8 for keys and for values. Only the transformers runtime reads it yet.
+kept dim; `kvfold.band_scale`: the bands' scale format, float16 when absent) stores each head's dims in bit
+bands instead (kvfold_runtime.bands): the transformers cache then holds per token [Σ_g row_bytes] uint8 for
+keys and for values. Only the transformers runtime reads it yet.
 """
 
 from __future__ import annotations
@@ -80,11 +81,12 @@ def _bands(block: dict, layer: int, d_k: list[int], d_v: list[int]) -> tuple:
     """Layer `layer`'s key and value bands of a bits-format export (() for both otherwise)."""
     if "k_bits" not in block:
         return (), ()
+    scale = block.get("band_scale", "float16")  # exports before schema 1.6 stored float16 scales
     out = []
     for side, widths in (("k_bits", d_k), ("v_bits", d_v)):
         heads = block[side][layer]
         if [sum(b > 0 for b in h) for h in heads] != list(widths):
             raise ValueError(f"config.json kvfold block: layer {layer}'s {side} do not match its ranks; "
                              "re-export the model")
-        out.append(tuple(bands_from_bits(list(h)) for h in heads))
+        out.append(tuple(bands_from_bits(list(h), scale) for h in heads))
     return tuple(out)

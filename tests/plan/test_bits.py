@@ -10,12 +10,11 @@ WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)
 
 
 def _cost(bits, lam, theta):
-    """Distortion + θ·(code bits + scale bits of each band below 16 bits): what dim_bits minimises."""
-    from kvfold.plan.bits import SCALE_BITS
-
+    """Distortion + θ·(code bits + scale bits of each band below 16 bits): what dim_bits minimises (one-byte
+    scales)."""
     bands = {b for b in bits if 0 < b < 16}
     codes = sum(x * 2.0 ** (-2 * b) + theta * b for x, b in zip(lam, bits, strict=True))
-    return codes + theta * SCALE_BITS * len(bands)
+    return codes + theta * 8 * len(bands)
 
 
 def test_the_widths_minimise_distortion_plus_theta_per_code_and_scale_bit():

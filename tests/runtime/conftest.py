@@ -51,9 +51,9 @@ def band_bits(widths: list[list[int]], low: bool) -> list[list[list[int]]]:
 
 
 def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method: str = "aware",
-                 bits: str | None = None) -> TinyExport:
+                 bits: str | None = None, band_scale: str = "log8") -> TinyExport:
     """Bake the tiny `arch` model (saved at `source`) at full or uneven ranks into `out`; with `bits`
-    ("16" or "low", band_bits) in the bits format."""
+    ("16" or "low", band_bits) in the bits format, its bands' scales stored as `band_scale`."""
     model = build_tiny(arch)
     d_k, d_v = (full_ranks if ranks == "full" else uneven_ranks)(model)
     k_bits = v_bits = None
@@ -73,7 +73,7 @@ def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method
         method=method, metric="top1", target="compression>=0", eval_text="test", eval_tokens=0,
         baseline_top1=0.0, baseline_ppl=0.0, rounding_multiple=1, min_rank=1, head_dim=layout.head_dim,
         num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, d_k=d_k, d_v=d_v, k_bits=k_bits,
-        v_bits=v_bits, chosen=point,
+        v_bits=v_bits, band_scale=band_scale, chosen=point,
         curve=[point], extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
     )
     out.mkdir(parents=True)

@@ -1,6 +1,8 @@
 """Exports served through transformers by kvfold_runtime: exact at full rank, the compressed model at
 uneven ranks, a cache that really holds the compressed widths."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -124,14 +126,29 @@ def test_a_static_cache_is_refused_with_the_fix(tiny_exports):
         served.generate(_ids(5, (1, 6)), max_new_tokens=3, cache_implementation="static")
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GPT2LMHeadModel"])
-def test_a_bits_format_cache_stores_the_band_codes_and_attends_to_them(tiny_dirs, tmp_path, arch):
-    from kvfold_runtime.bands import bands_from_bits, decode_heads, roundtrip, row_bytes
+def _as_before_schema_1_6(export) -> None:
+    """An export written before schema 1.6: float16 band scales, and no `band_scale` in config.json."""
+    path = export.path / "config.json"
+    config = json.loads(path.read_text())
+    assert config["kvfold"].pop("band_scale") == "float16"
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("arch", "scale"), [("LlamaForCausalLM", "log8"), ("GPT2LMHeadModel", "log8"),
+                                             ("LlamaForCausalLM", "float16")])
+def test_a_bits_format_cache_stores_the_band_codes_and_attends_to_them(tiny_dirs, tmp_path, arch, scale):
+    from kvfold_runtime.bands import bands_from_bits as bands_at
+    from kvfold_runtime.bands import decode_heads, roundtrip, row_bytes
     from tests.runtime.conftest import write_export
 
+    def bands_from_bits(h):
+        return bands_at(h, scale)
+
     plain = write_export(arch, tiny_dirs[arch], tmp_path / "plain", "uneven")
-    wide = write_export(arch, tiny_dirs[arch], tmp_path / "16", "uneven", bits="16")
-    low = write_export(arch, tiny_dirs[arch], tmp_path / "low", "uneven", bits="low")
+    wide = write_export(arch, tiny_dirs[arch], tmp_path / "16", "uneven", bits="16", band_scale=scale)
+    low = write_export(arch, tiny_dirs[arch], tmp_path / "low", "uneven", bits="low", band_scale=scale)
+    if scale == "float16":  # older exports still load, and their cache reads the float16 scales they stored
+        _as_before_schema_1_6(low)
     ids = _ids(4, (2, 20))
     with torch.inference_mode():
         want = _serve(plain)(input_ids=ids).logits

@@ -44,7 +44,7 @@ class IntPerToken:
         from kvfold_runtime import Band, band_roundtrip, band_row_bytes
 
         d = HeadLayout.from_config(setup.model.config).head_dim
-        band = (Band(0, d, self.bits),)
+        band = (Band(0, d, self.bits, "float16"),)  # as the peers store it (kvfold-bits stores one byte)
         layers = len(setup.adapter.attention_modules(setup.model))
         yield Candidate(float(self.bits), band_row_bytes(band) / (2 * d),
                         {i: quantized_kv(lambda x: band_roundtrip(x, band)) for i in range(layers)})
