@@ -17,10 +17,10 @@ from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_dir
-from kvfold.plan.bits import BitRule, plan_bits
+from kvfold.plan.bits import SCALE, BitRule, bit_factors, plan_bits
 from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
-from kvfold.plan.longrange import keep_passkeys
+from kvfold.plan.longrange import NUDGES, keep_passkeys
 from kvfold.plan.passkey import passkey_length, passkey_prompts
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
@@ -122,11 +122,12 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                 net = _in_source_dtype(net, ref, device)
                 like = next(net.parameters())
 
-                def patches_for(p: CurvePoint) -> dict:
+                def patches_for(p: CurvePoint) -> list[dict]:
                     chosen_ = rule(p.r_k, p.r_v)
-                    if bits:
-                        return bit_patches(bases, plan_bits(bases, chosen_), like)
-                    return evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)), like)
+                    if bits:  # three roundings of the cache (plan/longrange.py)
+                        plan = plan_bits(bases, chosen_)
+                        return [bit_patches(bases, plan, like, nudge) for nudge in NUDGES]
+                    return [evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)), like)]
 
                 best, passkey = _keep_passkeys(net, ref, recipe.passkey, curve, target, patches_for, log)
         log(f"chosen: {_candidate(best, recipe.eval_text)}; writing the checkpoint")
@@ -134,7 +135,8 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
         bit_plan = plan_bits(bases, chosen) if bits else None
         ranks = bit_plan.ranks() if bits else plan_ranks(bases, chosen)
         k_bits, v_bits = bit_plan.kept_bits() if bits else (None, None)
-        baked = bake(_in_source_dtype(net, ref, device), ref.adapter, factors_for(bases, ranks))
+        factors = bit_factors(bases, bit_plan) if bits else factors_for(bases, ranks)
+        baked = bake(_in_source_dtype(net, ref, device), ref.adapter, factors)
         h = stats.header
         manifest = Manifest(
             kvfold_version=kvfold.__version__, torch_version=torch.__version__,
@@ -200,6 +202,9 @@ def _reusable(path: Path, sha: str, stats: CalibStats, recipe: Recipe) -> Manife
          (1, 0) if recipe.format == "bits" else (recipe.multiple, recipe.min_rank)),
         ("rank allocation", prev.allocation, recipe.allocation),
         ("cache format", "bits" if prev.k_bits is not None else "rank", recipe.format),
+        # bits exports before schema 1.6 stored float16 scales and did not mix their bands
+        ("band scale format", prev.band_scale if prev.k_bits is not None else None,
+         SCALE if recipe.format == "bits" else None),
         ("--dtype", prev.search_dtype, recipe.dtype),
     ]
     for what, theirs, ours in checks:

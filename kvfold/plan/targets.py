@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 
 from kvfold.errors import KVFoldError
-from kvfold.plan.bits import BitPlan, BitRule, plan_bits
+from kvfold.plan.bits import BitPlan, BitRule, bit_factors, plan_bits
 from kvfold.plan.criteria import Target
 from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
@@ -65,8 +65,9 @@ def for_compression(bases, evaluator: Evaluator, target: float,
     return point, [point]
 
 
-def bit_patches(bases: list[LayerBasis], plan: BitPlan, like) -> dict:
-    """Every layer's attention on the bit-band cache `plan` stores (codes and scales), in the dtype and on
-    the device of `like`."""
-    return {i: compressed(f, like, banded(plan.bands("k", i)), banded(plan.bands("v", i)))
-            for i, f in enumerate(factors_for(bases, plan.ranks()))}
+def bit_patches(bases: list[LayerBasis], plan: BitPlan, like, nudge: float = 0.0) -> dict:
+    """Every layer's attention on the bit-band cache `plan` stores (codes and scales) with the bands mixed as
+    export bakes them (plan/bits.bit_factors), in the dtype and on the device of `like`; `nudge`: another
+    rounding of the same cache (plan/stored.banded)."""
+    return {i: compressed(f, like, banded(plan.bands("k", i), nudge), banded(plan.bands("v", i), nudge))
+            for i, f in enumerate(bit_factors(bases, plan))}

@@ -54,3 +54,38 @@ def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
         # the most bits within the budget; a band opening moves several dims at once, so not exactly it
         assert bits - 0.75 <= got <= bits
 
+
+
+def test_band_mixing_is_orthonormal_folds_exactly_and_shrinks_a_bands_absmax():
+    from kvfold.plan.bits import band_mixer, bit_factors
+    from kvfold.plan.ranks import factors_for
+
+    for n in (1, 2, 5, 32):
+        m = band_mixer(n)
+        assert torch.allclose(m.T @ m, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    bases = _bases()
+    plan = plan_bits(bases, BitRule(1e-3, 1e-3, WIDTHS))
+    mixed, plain = bit_factors(bases, plan), factors_for(bases, plan.ranks())
+    for f, g in zip(mixed, plain, strict=True):  # what attention computes is unchanged: A Bᵀ, A_v B_hᵀ
+        for h in range(len(f.qk_a)):
+            kv = h // f.group
+            assert torch.allclose(f.qk_a[h] @ f.qk_b[kv].T, g.qk_a[h] @ g.qk_b[kv].T, atol=1e-12)
+            assert torch.allclose(f.v_a[kv] @ f.o_b[h].T, g.v_a[kv] @ g.o_b[h].T, atol=1e-12)
+    assert any(not torch.equal(f.qk_b[0], g.qk_b[0]) for f, g in zip(mixed, plain, strict=True))
+    # 16-bit bands are left as they are (exactness at full precision)
+    wide = plan_bits(bases, BitRule(1e-14, 1e-14, WIDTHS))
+    assert all(b == 16 for layer in wide.k_bits for h in layer for b in h)
+    assert all(torch.equal(a, b) for f, g in zip(bit_factors(bases, wide), factors_for(bases, wide.ranks()),
+                                                  strict=True) for a, b in zip(f.qk_b, g.qk_b, strict=True))
+    # one band of dims with falling variances: mixed, its absmax over its RMS falls, and so does the error
+    # of the same 4-bit quantizer
+    from kvfold_runtime.bands import Band, roundtrip
+
+    torch.manual_seed(0)
+    x = torch.randn(4096, 16, dtype=torch.float64) * torch.logspace(0, -1, 16, dtype=torch.float64)
+    band = (Band(0, 16, 4),)
+    y = x @ band_mixer(16)
+    assert float((y.abs().amax(-1) / y.norm(dim=-1)).mean()) < 0.8 * float((x.abs().amax(-1) / x.norm(dim=-1)).mean())
+    err_plain = (roundtrip(x.float(), band) - x.float()).pow(2).mean()
+    err_mixed = ((roundtrip(y.float(), band) - y.float()).double() @ band_mixer(16).T).pow(2).mean()
+    assert err_mixed < 0.8 * err_plain

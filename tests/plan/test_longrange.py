@@ -1,0 +1,54 @@
+"""The export's long-context guard (plan/longrange.py): the most compressed passing point that keeps the
+original's pass keys under every rounding of its cache."""
+
+import pytest
+import torch
+
+from kvfold.adapters import get_adapter
+from kvfold.calib.capture import AttentionPatch
+from kvfold.errors import KVFoldError
+from kvfold.plan.criteria import Target
+from kvfold.plan.longrange import keep_passkeys
+from kvfold.plan.passkey import PasskeyPrompt, passkey_prompts
+from kvfold.plan.search import CurvePoint
+from tests.conftest import build_tiny, tiny_tokenizer
+
+ARCH = "LlamaForCausalLM"
+
+
+def _answered(model, prompts):
+    """The prompts with the model's own greedy answers: the original retrieves every key."""
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            question = p.ids[: -p.answer]
+            greedy = model.generate(question[None], max_new_tokens=p.answer, min_new_tokens=p.answer,
+                                    do_sample=False)[0, len(question):]
+            out.append(PasskeyPrompt(torch.cat([question, greedy]), p.answer, p.depth, p.key))
+    return out
+
+
+def _point(p: float) -> CurvePoint:
+    return CurvePoint(0, 0, p, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0, ppl_se=0.0)
+
+
+def test_a_point_is_kept_only_if_every_rounding_keeps_the_keys():
+    model = build_tiny(ARCH)
+    adapter = get_adapter(ARCH)
+    prompts = _answered(model, passkey_prompts(tiny_tokenizer(), 512)[:4])
+    layers = len(adapter.attention_modules(model))
+    broken = {i: AttentionPatch(before=lambda q, k, v: (q, k, torch.zeros_like(v))) for i in range(layers)}
+    seen = []
+
+    def patches_for(point):  # the most compressed point loses the keys in its second rounding only
+        seen.append(point.compression)
+        return [{}, broken, {}] if point.compression == 0.5 else [{}, {}, {}]
+
+    curve = [_point(0.2), _point(0.5), _point(0.3)]
+    best, record = keep_passkeys(model, adapter, prompts, curve, Target("top1", 0.99), patches_for)
+    assert best.compression == 0.3 and seen == [0.5, 0.3]
+    assert record["original"] == record["retrieved"] == len(prompts) and record["roundings"] == 3
+    assert len(record["rejected"]) == 1 and record["rejected"][0]["compression"] == 0.5
+    assert record["rejected"][0]["retrieved"] < len(prompts)  # the fewest keys of its roundings
+    with pytest.raises(KVFoldError, match="keeps the pass keys"):
+        keep_passkeys(model, adapter, prompts, [_point(0.5)], Target("top1", 0.99), lambda p: [broken])
