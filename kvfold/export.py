@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,7 +130,16 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                         return [bit_patches(bases, plan, like, nudge) for nudge in NUDGES]
                     return [evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)), like)]
 
-                best, passkey = _keep_passkeys(net, ref, recipe.passkey, curve, target, patches_for, log)
+                def between(a: CurvePoint, b: CurvePoint) -> CurvePoint:  # scored as the search scores
+                    chosen_ = rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v))
+                    at = plan_bits(bases, chosen_) if bits else plan_ranks(bases, chosen_)
+                    cand = (evaluator.score_patches(bit_patches(bases, at, next(evaluator.model.parameters())))
+                            if bits else evaluator.score(factors_for(bases, at)))
+                    point = CurvePoint.measured(chosen_.r_k, chosen_.r_v, at.compression, cand, evaluator.baseline)
+                    scored(point)
+                    return point
+
+                best, passkey = _keep_passkeys(net, ref, recipe.passkey, curve, target, patches_for, log, between)
         log(f"chosen: {_candidate(best, recipe.eval_text)}; writing the checkpoint")
         chosen = rule(best.r_k, best.r_v)
         bit_plan = plan_bits(bases, chosen) if bits else None
@@ -253,13 +263,15 @@ def _in_source_dtype(net, ref, device: str):
 
 
 def _keep_passkeys(net, ref, context: int, curve: list[CurvePoint], target: Target, patches_for,
-                   log: Callable[[str], None]) -> tuple[CurvePoint, dict]:
+                   log: Callable[[str], None], between) -> tuple[CurvePoint, dict]:
     """plan/longrange.py on prompts of `context` tokens, or the model's whole context if shorter; skipped, and
-    recorded as such, where that has no room for the task."""
+    recorded as such, where that has no room for the task. Points scored on the way join `curve`."""
     try:
         prompts = passkey_prompts(load_tokenizer(ref.path), passkey_length(net, context))
     except KVFoldError as e:
         log(f"pass keys not checked: {e}")
         return best_point(curve, target), {"skipped": str(e)}
     log(f"pass keys at {len(prompts[0].ids)} tokens: the most compressed passing point that keeps the original's")
-    return keep_passkeys(net, ref.adapter, prompts, curve, target, patches_for, log)
+    best, record, added = keep_passkeys(net, ref.adapter, prompts, curve, target, patches_for, log, between)
+    curve[:] = sorted([*curve, *added], key=lambda p: (p.r_k, p.r_v))
+    return best, record

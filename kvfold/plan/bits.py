@@ -10,13 +10,13 @@ discrete set of widths, for a multiplier θ, each head's widths minimise
     Σ_j λ̂_j · 2^(−2b_j) + θ · b_j   +   θ · 8 · (bands of 2..8 bits)
 
 with λ̂ the head's λ normalised to sum 1, so one θ means the same relative distortion in every head (as
-one removal rate r does for ranks), and the last term charges each band its per-token float16 scale
-(one byte, kvfold_runtime.bands "log8"; without this term SmolLM2 at 4 bits per number spent 0.089 of the
-fp16 bytes on float16 scales, with it 0.032). Widths
-never increase along the dims (λ descending), so equal widths form contiguous bands
-(kvfold_runtime.bands); a dynamic programme over (dim, width) finds the exact minimum. Larger θ, fewer
-bits. Per-layer sensitivity multipliers scale θ exactly as they scale r (plan/sensitivity.py). The
-accuracy search then runs over θ.
+one removal rate r does for ranks), and the last term charges each band its per-token scale (one byte,
+kvfold_runtime.bands "log8"; without this term SmolLM2 at 4 bits per number spent 0.089 of the fp16 bytes
+on float16 scales, with it 0.032). Widths never increase along the dims (λ descending), so equal widths
+form contiguous bands (kvfold_runtime.bands); a dynamic programme over (dim, width) finds the exact
+minimum. Larger θ, fewer bits. Per-layer sensitivity multipliers scale θ exactly as they scale r
+(plan/sensitivity.py). The accuracy search then runs over θ. Last, the dims inside each quantized band are
+mixed by an orthogonal DCT folded into the weights (`bit_factors`), so one absmax scale fits them better.
 """
 
 from __future__ import annotations

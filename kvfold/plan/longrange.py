@@ -8,6 +8,11 @@ tried from the most compressed down, each on the passkey prompts (plan/passkey.p
 retrieves at least as many keys as the original is chosen. A check per point tried (10 prompts of
 `context` tokens), not per candidate: the search itself stays as cheap as before.
 
+The search spends its candidates near the accuracy boundary, so the first point kept can sit far below the
+last one rejected (a bits export: 0.613 kept, 0.667 rejected, 16% of the cache apart). While the two are
+more than REFINE_GAP apart, the knob halfway between them (geometrically) is scored like a search candidate
+(`between`) and checked, up to REFINE_STEPS times; the new points join the curve.
+
 A quantized cache (the bits format) is checked under several roundings of the same cache (plan/stored.banded's
 nudge) and counts the fewest keys any of them retrieves: SmolLM2's own answers win by 0.26–1.4 nats, and
 code flips from float round-off move a bits export's margins by up to 0.3, so one rounding's 10/10 was
@@ -30,36 +35,74 @@ from kvfold.plan.search import CurvePoint
 __all__ = ["NUDGES", "keep_passkeys"]
 
 NUDGES = (0.0, 1e-6, -1e-6)  # a quantized cache's roundings the check runs (plan/stored.banded)
+REFINE_GAP = 0.01  # compression p between the point kept and the next rejected one worth a point between them
+REFINE_STEPS = 3
 
 
 def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPrompt], curve: list[CurvePoint],
                   target: Target, patches_for: Callable[[CurvePoint], list[dict[int, AttentionPatch]]],
-                  log: Callable[[str], None] = lambda line: None) -> tuple[CurvePoint, dict]:
+                  log: Callable[[str], None] = lambda line: None,
+                  between: Callable[[CurvePoint, CurvePoint], CurvePoint] | None = None
+                  ) -> tuple[CurvePoint, dict, list[CurvePoint]]:
     """The most compressed point of `curve` that meets `target` and retrieves as many keys as `model`
-    itself under every patch set `patches_for` gives for it (one per rounding of its cache), and a record of
-    the check for the manifest (the points rejected on the way, with the fewest keys a rounding retrieved)."""
+    itself under every patch set `patches_for` gives for it (one per rounding of its cache); a record of
+    the check for the manifest (the points rejected on the way, with the fewest keys a rounding retrieved);
+    and the points `between` scored to narrow the gap to the next rejected one (module docstring)."""
     want = sum(passkey_hits(model, prompts))
     record = {"context": len(prompts[0].ids), "prompts": len(prompts), "original": want, "rejected": []}
-    seen: set[float] = set()
-    passing = sorted((p for p in curve if target.met(p)), key=lambda p: (-p.compression, -target.slack(p)))
-    for point in passing:
-        if point.compression in seen:
-            continue
-        seen.add(point.compression)
+
+    retrieved: dict[float, int] = {}  # compression -> the fewest keys its roundings retrieved
+
+    def keeps(point: CurvePoint) -> bool:
         counts = []
         for patches in patches_for(point) if point.compression > 0 else [{}]:
             with patched(model, adapter, patches):
                 counts.append(sum(passkey_hits(model, prompts)))
             if counts[-1] < want:  # this point is out: the other roundings cannot bring it back
                 break
-        got = min(counts)
+        retrieved[point.compression] = got = min(counts)
         log(f"pass keys at p={point.compression:.4f}: {'/'.join(map(str, counts))} of {len(prompts)} at "
             f"{record['context']} tokens{' (each rounding)' if len(counts) > 1 else ''} (original {want})")
         record["roundings"] = max(record.get("roundings", 1), len(counts))
-        if got >= want:
-            return point, {**record, "retrieved": got, "compression": point.compression}
-        record["rejected"].append({"compression": point.compression, "retrieved": got})
+        if got < want:
+            record["rejected"].append({"compression": point.compression, "retrieved": got})
+        return got >= want
+
+    passing = sorted((p for p in curve if target.met(p)), key=lambda p: (-p.compression, -target.slack(p)))
+    rejected: CurvePoint | None = None
+    for point in passing:
+        if point.compression in retrieved:
+            continue
+        if keeps(point):
+            added: list[CurvePoint] = []
+            if rejected is not None:
+                point, added = _narrow(point, rejected, target, keeps, between, log)
+            return point, {**record, "retrieved": retrieved[point.compression], "compression": point.compression,
+                           **({"refined": len(added)} if added else {})}, added
+        rejected = point
     best = max(record["rejected"], key=lambda r: r["retrieved"])
     raise KVFoldError(f"no compression that meets the target keeps the pass keys at {record['context']} tokens (the "
                       f"best retrieves {best['retrieved']}/{len(prompts)}, the original {want}); ask for a higher "
                       "accuracy, or pass --passkey 0 if the model will only serve short contexts")
+
+
+def _narrow(kept: CurvePoint, rejected: CurvePoint, target: Target, keeps: Callable[[CurvePoint], bool],
+            between: Callable[[CurvePoint, CurvePoint], CurvePoint] | None,
+            log: Callable[[str], None]) -> tuple[CurvePoint, list[CurvePoint]]:
+    """The most compressed point kept after scoring and checking points between the kept and the rejected
+    one while they are far apart, and the points scored."""
+    added: list[CurvePoint] = []
+    for _ in range(REFINE_STEPS if between is not None else 0):
+        if rejected.compression - kept.compression <= REFINE_GAP:
+            break
+        log(f"pass keys: p={kept.compression:.4f} kept, p={rejected.compression:.4f} rejected; scoring a point "
+            "between them")
+        mid = between(kept, rejected)
+        added.append(mid)
+        if not kept.compression < mid.compression < rejected.compression:
+            break  # the knob has no other plan between them
+        if target.met(mid) and keeps(mid):
+            kept = mid
+        else:
+            rejected = mid
+    return kept, added

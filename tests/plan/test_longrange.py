@@ -45,10 +45,39 @@ def test_a_point_is_kept_only_if_every_rounding_keeps_the_keys():
         return [{}, broken, {}] if point.compression == 0.5 else [{}, {}, {}]
 
     curve = [_point(0.2), _point(0.5), _point(0.3)]
-    best, record = keep_passkeys(model, adapter, prompts, curve, Target("top1", 0.99), patches_for)
-    assert best.compression == 0.3 and seen == [0.5, 0.3]
+    best, record, added = keep_passkeys(model, adapter, prompts, curve, Target("top1", 0.99), patches_for)
+    assert best.compression == 0.3 and seen == [0.5, 0.3] and added == []
     assert record["original"] == record["retrieved"] == len(prompts) and record["roundings"] == 3
     assert len(record["rejected"]) == 1 and record["rejected"][0]["compression"] == 0.5
     assert record["rejected"][0]["retrieved"] < len(prompts)  # the fewest keys of its roundings
     with pytest.raises(KVFoldError, match="keeps the pass keys"):
         keep_passkeys(model, adapter, prompts, [_point(0.5)], Target("top1", 0.99), lambda p: [broken])
+
+
+def test_a_wide_gap_between_kept_and_rejected_is_narrowed_by_points_scored_between():
+    """Kept 0.2, rejected 0.5: points between them are scored (`between`) and checked while the two are more
+    than REFINE_GAP apart, at most REFINE_STEPS times; keys here survive up to p = 0.4."""
+    from kvfold.plan.longrange import REFINE_STEPS
+
+    model = build_tiny(ARCH)
+    adapter = get_adapter(ARCH)
+    prompts = _answered(model, passkey_prompts(tiny_tokenizer(), 512)[:2])
+    layers = len(adapter.attention_modules(model))
+    broken = {i: AttentionPatch(before=lambda q, k, v: (q, k, torch.zeros_like(v))) for i in range(layers)}
+    scored = []
+
+    def between(a, b):
+        scored.append((a.compression, b.compression))
+        return _point((a.compression + b.compression) / 2)
+
+    best, record, added = keep_passkeys(model, adapter, prompts, [_point(0.2), _point(0.5)], Target("top1", 0.99),
+                                        lambda p: [broken] if p.compression > 0.4 else [{}], between=between)
+    assert scored == [(0.2, 0.5), (0.35, 0.5), (0.35, 0.425)][:REFINE_STEPS]
+    assert [p.compression for p in added] == pytest.approx([0.35, 0.425, 0.3875])
+    assert best.compression == pytest.approx(0.3875) and record["refined"] == 3
+    assert record["compression"] == best.compression
+    assert [r["compression"] for r in record["rejected"]] == [0.5, 0.425]
+    # without `between` (or with the two close enough) the first kept point stands
+    best, record, added = keep_passkeys(model, adapter, prompts, [_point(0.2), _point(0.5)], Target("top1", 0.99),
+                                        lambda p: [broken] if p.compression > 0.4 else [{}])
+    assert best.compression == 0.2 and added == [] and "refined" not in record
