@@ -159,9 +159,9 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scal
 
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
-    from kvfold_runtime.bands import SCALES
+    from kvfold_runtime import BAND_SCALES
 
-    k_bits, v_bits, scale_bits = [], [], 8 * SCALES[rule.scale]
+    k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
     for i, b in enumerate(bases):
         tk, tv = rule.thetas(i)
         k_bits.append([dim_bits(s, tk, rule.widths, scale_bits) for s in b.qk_spectrum])

@@ -10,14 +10,16 @@ first use: triton is needed only where they run).
 
 The bit-band cache format of `--format bits` exports (a head's rotated dims in contiguous bands of one
 bit width, a one-byte scale per band per token; layout in `kvfold_runtime.bands`): `Band`,
-`bands_from_bits` (a head's per-dim widths → its bands), `band_row_bytes` (bytes per token of a head's
-row: codes and scales) and `band_roundtrip` (quantize then dequantize, what the cache's reader sees).
+`BAND_SCALES` (scale formats → bytes), `bands_from_bits` (a head's per-dim widths → its bands),
+`band_row_bytes` (bytes per token of a head's row: codes and scales) and `band_roundtrip` (quantize then
+dequantize, what the cache's reader sees).
 
 `kvfold_runtime.vllm` is vLLM's plugin (entry point `vllm.general_plugins`): with this package installed,
 `vllm serve EXPORTED_DIR` and `vllm.LLM(model=EXPORTED_DIR)` serve exports from a paged cache that holds
 the compressed widths. It is imported by vLLM, never here (vLLM is optional).
 """
 
+from kvfold_runtime.bands import SCALES as BAND_SCALES
 from kvfold_runtime.bands import Band, bands_from_bits
 from kvfold_runtime.bands import roundtrip as band_roundtrip
 from kvfold_runtime.bands import row_bytes as band_row_bytes
@@ -35,7 +37,7 @@ from kvfold_runtime.kernels import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["Band", "LayerDims", "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits",
+__all__ = ["BAND_SCALES", "Band", "LayerDims", "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits",
            "check_export", "decode_attention", "kernels_for", "kv_cache_bytes", "model_dims",
            "paged_attention", "paged_decode_attention", "paged_prefill_attention", "prefill_attention",
            "reference_attention", "register", "runtime_class", "runtime_class_name", "sdpa_attention",
