@@ -32,12 +32,17 @@ def _point(p: float) -> CurvePoint:
     return CurvePoint(0, 0, p, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0, ppl_se=0.0)
 
 
-def test_a_point_is_kept_only_if_every_rounding_keeps_the_keys():
-    model = build_tiny(ARCH)
-    adapter = get_adapter(ARCH)
-    prompts = _answered(model, passkey_prompts(tiny_tokenizer(), 512)[:4])
+def _setup(prompts: int):
+    """The tiny model, its adapter, `prompts` passkey prompts it answers, and patches that lose its keys
+    (every layer's values zeroed)."""
+    model, adapter = build_tiny(ARCH), get_adapter(ARCH)
     layers = len(adapter.attention_modules(model))
     broken = {i: AttentionPatch(before=lambda q, k, v: (q, k, torch.zeros_like(v))) for i in range(layers)}
+    return model, adapter, _answered(model, passkey_prompts(tiny_tokenizer(), 512)[:prompts]), broken
+
+
+def test_a_point_is_kept_only_if_every_rounding_keeps_the_keys():
+    model, adapter, prompts, broken = _setup(4)
     seen = []
 
     def patches_for(point):  # the most compressed point loses the keys in its second rounding only
@@ -59,11 +64,7 @@ def test_a_wide_gap_between_kept_and_rejected_is_narrowed_by_points_scored_betwe
     than REFINE_GAP apart, at most REFINE_STEPS times; keys here survive up to p = 0.4."""
     from kvfold.plan.longrange import REFINE_STEPS
 
-    model = build_tiny(ARCH)
-    adapter = get_adapter(ARCH)
-    prompts = _answered(model, passkey_prompts(tiny_tokenizer(), 512)[:2])
-    layers = len(adapter.attention_modules(model))
-    broken = {i: AttentionPatch(before=lambda q, k, v: (q, k, torch.zeros_like(v))) for i in range(layers)}
+    model, adapter, prompts, broken = _setup(2)
     scored = []
 
     def between(a, b):
