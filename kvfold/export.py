@@ -27,7 +27,7 @@ from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
-from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression
+from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression, measure
 from kvfold.rewrite.bake import K_POST, Q_POST, bake
 from kvfold.rewrite.factors import get_method
 from kvfold.rewrite.factors.positions import fitted_statistics
@@ -131,11 +131,7 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
                     return [evaluator.patches(factors_for(bases, plan_ranks(bases, chosen_)), like)]
 
                 def between(a: CurvePoint, b: CurvePoint) -> CurvePoint:  # scored as the search scores
-                    chosen_ = rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v))
-                    at = plan_bits(bases, chosen_) if bits else plan_ranks(bases, chosen_)
-                    cand = (evaluator.score_patches(bit_patches(bases, at, next(evaluator.model.parameters())))
-                            if bits else evaluator.score(factors_for(bases, at)))
-                    point = CurvePoint.measured(chosen_.r_k, chosen_.r_v, at.compression, cand, evaluator.baseline)
+                    point = measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)))
                     scored(point)
                     return point
 

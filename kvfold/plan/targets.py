@@ -14,7 +14,7 @@ from kvfold.plan.search import CurvePoint, search_rate
 from kvfold.plan.stored import banded, compressed
 from kvfold.rewrite.factors import LayerBasis
 
-__all__ = ["bit_patches", "for_accuracy", "for_accuracy_bits", "for_compression"]
+__all__ = ["bit_patches", "for_accuracy", "for_accuracy_bits", "for_compression", "measure"]
 
 
 def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
@@ -22,6 +22,27 @@ def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
         return evaluator.score(factors_for(bases, ranks)), evaluator.baseline
 
     return score
+
+
+def _bit_scorer(bases: list[LayerBasis], evaluator: Evaluator):
+    """Each bits plan scored on the cache it would store (band codes and scales, plan/stored.py)."""
+    like = next(evaluator.model.parameters())  # the model's dtype and device
+
+    def score(plan: BitPlan):
+        return evaluator.score_patches(bit_patches(bases, plan, like)), evaluator.baseline
+
+    return score
+
+
+def measure(bases: list[LayerBasis], evaluator: Evaluator, rule: RankRule | BitRule) -> CurvePoint:
+    """One point scored as the searches score their candidates: a rank rule's ranks, or a bit rule's cache."""
+    if isinstance(rule, BitRule):
+        plan = plan_bits(bases, rule)
+        cand, base = _bit_scorer(bases, evaluator)(plan)
+    else:
+        plan = plan_ranks(bases, rule)
+        cand, base = _scorer(bases, evaluator)(plan)
+    return CurvePoint.measured(rule.r_k, rule.r_v, plan.compression, cand, base)
 
 
 def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], RankRule],
@@ -33,17 +54,12 @@ def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callabl
                       progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
     """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
     on the cache it would store (band codes and scales, plan/stored.py)."""
-    like = next(evaluator.model.parameters())  # the model's dtype and device
-
-    def score(plan: BitPlan):
-        return evaluator.score_patches(bit_patches(bases, plan, like)), evaluator.baseline
-
     # θ from 1e-7 on the side with the larger θ (about 8 bits for a head's average dim: int8-like) to θ_k = 0.1
     # (nearly every dim dropped)
     unit = rule(1.0)
     r_lo = 1e-7 / max(1.0, unit.theta_v / unit.theta_k)
-    return search_rate(lambda rule_: plan_bits(bases, rule_), score, target, rule, r_lo=r_lo, r_hi=0.1,
-                       progress=progress)
+    return search_rate(lambda rule_: plan_bits(bases, rule_), _bit_scorer(bases, evaluator), target, rule,
+                       r_lo=r_lo, r_hi=0.1, progress=progress)
 
 
 def for_compression(bases, evaluator: Evaluator, target: float,
@@ -58,10 +74,7 @@ def for_compression(bases, evaluator: Evaluator, target: float,
     for _ in range(40):
         mid = (a + b) / 2
         a, b = (a, mid) if plan_ranks(bases, rule(math.exp(mid))).compression >= target else (mid, b)
-    rr = rule(math.exp(b))
-    ranks = plan_ranks(bases, rr)
-    cand, base = _scorer(bases, evaluator)(ranks)
-    point = CurvePoint.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)
+    point = measure(bases, evaluator, rule(math.exp(b)))
     return point, [point]
 
 
