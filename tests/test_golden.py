@@ -1,0 +1,100 @@
+"""Golden exports: for the same inputs, an export's files (manifest, config block, tensor names, shapes, dtypes
+and values) are what they were when tests/golden/exports.json was written. A refactor must leave them
+unchanged; a deliberate format change regenerates the file (KVFOLD_GOLDEN=write) and says so in its commit.
+
+The golden file was first written by this test on the code before the checkpoint-format refactor (issue 21).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.test_cli import run
+
+GOLDEN = Path(__file__).parent / "golden" / "exports.json"
+# Fields that name the machine or the library versions, not the export.
+_VOLATILE = {"kvfold_version", "torch_version", "transformers_version", "path", "spec", "files"}
+
+# name -> (architecture, export arguments): a RoPE model in both formats and a model without RoPE.
+CASES = {
+    "llama-rank-accuracy": ("LlamaForCausalLM", ("--accuracy", 0.5)),
+    "llama-bits-accuracy": ("LlamaForCausalLM", ("--accuracy", 0.5, "--format", "bits")),
+    "llama-rank-sensitivity": ("LlamaForCausalLM", ("--accuracy", 0.5, "--allocation", "sensitivity")),
+    "qwen3-rank-ratio": ("Qwen3ForCausalLM", ("--ratio", 0.3)),
+    "gpt2-rank-ratio": ("GPT2LMHeadModel", ("--ratio", 0.3)),
+}
+
+
+def _strip(value):
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in sorted(value.items()) if k not in _VOLATILE}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def snapshot(folder: Path, root: Path) -> dict:
+    """What an export folder holds, minus what names the machine: its manifest, its config.json, and per
+    tensor its dtype, shape and two sums of its values. Paths under `root` (the test's temp folder) read <root>."""
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                t = f.get_tensor(name).double()
+                tensors[name] = {"dtype": str(f.get_slice(name).get_dtype()), "shape": list(t.shape),
+                                 "sum": t.sum().item(), "abs_sum": t.abs().sum().item()}
+    manifest = json.loads((folder / "kvfold.json").read_text().replace(str(root), "<root>"))
+    return {"manifest": _strip(manifest), "files": sorted(manifest["files"]),
+            "config": _strip(json.loads((folder / "config.json").read_text())), "tensors": tensors}
+
+
+def _same(a, b, where: str = "") -> list[str]:
+    """Differences between two snapshots; floats equal to 1e-9 relative (sums over many terms)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(a.keys() ^ b.keys())} differ"]
+        return [d for k in a for d in _same(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _same(x, y, f"{where}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float | int) and not isinstance(b, bool):
+        if (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
+            return []
+        return [f"{where}: {a!r} != {b!r}"]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_dirs, tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("golden")
+    text = root / "eval.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    snaps = {}
+    for name, (arch, extra) in CASES.items():
+        calib = root / f"calib-{arch}"
+        if not calib.exists():
+            result = run("calibrate", tiny_dirs[arch], "-o", calib, "--tokens", 512, "--seq-len", 64)
+            assert result.exit_code == 0, result.output
+        out = root / name
+        result = run("export", tiny_dirs[arch], "--calib", calib, "--eval-text", text, "--eval-tokens", 256,
+                     "--margin", 0, "-o", out, *extra)
+        assert result.exit_code == 0, result.output
+        snaps[name] = snapshot(out, root)
+    if os.environ.get("KVFOLD_GOLDEN") == "write":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(snaps, indent=1, sort_keys=True) + "\n")
+    return snaps
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_files_match_the_golden_snapshot(exports, name):
+    golden = json.loads(GOLDEN.read_text())[name]
+    diffs = _same(golden, exports[name], name)
+    assert not diffs, "\n".join(diffs[:20])
