@@ -17,24 +17,25 @@ from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
 from kvfold.errors import KVFoldError
+from kvfold.factors import get_method
+from kvfold.factors.positions import fitted_statistics
+from kvfold.factors.weights import o_proj_heads
 from kvfold.io import atomic_dir
+from kvfold.measure.evaluate import Evaluator
+from kvfold.measure.passkey import passkey_length, passkey_prompts
 from kvfold.plan.bits import SCALE, BitRule, bit_factors, plan_bits
 from kvfold.plan.criteria import Target
-from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.longrange import NUDGES, keep_passkeys
-from kvfold.plan.passkey import passkey_length, passkey_prompts
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import CurvePoint, best_point
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
 from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression, measure
-from kvfold.rewrite.bake import K_POST, Q_POST, bake
-from kvfold.rewrite.factors import get_method
-from kvfold.rewrite.factors.positions import fitted_statistics
-from kvfold.rewrite.weights import o_proj_heads
+from kvfold.rewrite.bake import bake
 from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, source_dtype, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
+from kvfold_runtime import K_POST, Q_POST
 
 __all__ = ["ExportResult", "export"]
 

@@ -81,9 +81,9 @@ def test_bench_calibrate_prints_json(smollm2):
 def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     """The real export path: calibrate on text, export at a compression target, reload the files."""
     from kvfold.calib.tokens import text_sequences
-    from kvfold.plan.evaluate import score_model
-    from kvfold.rewrite.reference import load_baked, padded_forward
+    from kvfold.measure.evaluate import score_model
     from kvfold.sources.models import load_model, resolve_model
+    from tests.reference import load_baked, padded_forward
 
     api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=4096)
     recipe = Recipe(ratio=0.05, eval_tokens=1024, allocation="eq6")  # the files are tested here, not the allocation
@@ -167,14 +167,14 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
 
 
 def test_position_averaged_factors_keep_long_context_retrieval(smollm2, tmp_path):
-    """rewrite/factors/positions.py: an export fitted to the calibration's 512-token windows (--context 0)
+    """factors/positions.py: an export fitted to the calibration's 512-token windows (--context 0)
     loses the pass keys the original retrieves at 1,024 tokens; fitted to every position of the model's 8K
     context (the default) it keeps them. Measured 2026-11-25 with these options: 0/10 and 8/10 keys, the
     original 6/10. (The default 0.99 export, before the fix: 1/10 at 4,096 tokens, the original 10/10.)"""
     from transformers import AutoModelForCausalLM
 
     import kvfold_runtime  # noqa: F401  (registers the KVFold classes)
-    from kvfold.plan.passkey import passkey_hits, passkey_prompts
+    from kvfold.measure.passkey import passkey_hits, passkey_prompts
     from kvfold.sources.models import load_model, resolve_model
     from kvfold.sources.tokenizer import load_tokenizer
 
@@ -204,11 +204,11 @@ def test_smollm2_mha_variant_has_the_same_logits(smollm2):
 
 
 def test_kl_over_the_top_tokens_is_the_full_vocabulary_kl_on_smollm2(smollm2):
-    """plan/evaluate.py keeps the original's TOP_K tokens (+ one bin for the rest) instead of 49,152
+    """measure/evaluate.py keeps the original's TOP_K tokens (+ one bin for the rest) instead of 49,152
     log-probs per position. On SmolLM2, for a real perturbation of its distributions (its own weights in
     bfloat16), that binned KL is within 3% of the full-vocabulary KL (it can only be lower; 98% measured)."""
     from kvfold.calib.tokens import text_sequences
-    from kvfold.plan.evaluate import TOP_K, _binned_kl
+    from kvfold.measure.evaluate import TOP_K, _binned_kl
     from kvfold.sources.models import load_model, resolve_model
     from kvfold.sources.tokenizer import load_tokenizer
 

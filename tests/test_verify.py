@@ -165,6 +165,7 @@ def test_the_kv_bytes_expectation_catches_a_wrong_rank(exported):
     import kvfold_runtime
     from kvfold.sources.models import load_model, resolve_model
     from kvfold.verify.serving import expected_kv_bytes
+    from kvfold_runtime import ConfigBlock
 
     manifest = json.loads((exported[0] / "kvfold.json").read_text())
     served = AutoModelForCausalLM.from_pretrained(exported[0], dtype=torch.float32).eval()
@@ -172,14 +173,14 @@ def test_the_kv_bytes_expectation_catches_a_wrong_rank(exported):
     ids = torch.arange(40)[None] % 200
     with torch.inference_mode():
         want = expected_kv_bytes(original(input_ids=ids, use_cache=True).past_key_values,
-                                 manifest["d_k"], manifest["d_v"])
+                                 ConfigBlock(manifest["d_k"], manifest["d_v"], True))
         live = kvfold_runtime.kv_cache_bytes(served(input_ids=ids, use_cache=True).past_key_values)
     assert live == want
     wrong = [list(r) for r in manifest["d_k"]]
     wrong[0][0] -= 1
     with torch.inference_mode():
-        assert expected_kv_bytes(original(input_ids=ids, use_cache=True).past_key_values, wrong,
-                                 manifest["d_v"]) != live
+        assert expected_kv_bytes(original(input_ids=ids, use_cache=True).past_key_values,
+                                 ConfigBlock(wrong, manifest["d_v"], True)) != live
 
 
 def test_held_out_text_checks_the_exports_target_within_two_standard_errors(exported):

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from kvfold.adapters import Adapter, HeadLayout
-from kvfold.calib.capture import tapped
 from kvfold.calib.sinks import GramSink
 from kvfold.calib.tokens import Sequences, batches
+from kvfold.hooks import tapped
 
 __all__ = ["collect"]
 

@@ -1,1 +1,1 @@
-"""Stage 4, writing: the versioned manifest and the exported HF directory."""
+"""Stage 6, writing: the versioned manifest and the exported HF directory."""

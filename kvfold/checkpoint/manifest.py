@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvfold.errors import KVFoldError
 from kvfold.plan.criteria import Target
+from kvfold_runtime import LEGACY_BAND_SCALE, MANIFEST, SCHEMA_VERSION, ConfigBlock, check_schema
 
-__all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
+__all__ = ["Manifest"]
 
 # 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
 # carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
@@ -20,9 +21,8 @@ __all__ = ["MANIFEST_FILE", "SCHEMA_VERSION", "Manifest"]
 # query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
 # (one-byte log8; before, float16).
-# Older files still load: `_upgrade` converts them.
-SCHEMA_VERSION = "1.6"
-MANIFEST_FILE = "kvfold.json"
+# Older files still load: `_upgrade` converts them. The version and the file name are the runtime's
+# (kvfold_runtime.format): kvfold writes what every runtime reads.
 
 
 class _Frozen(BaseModel):
@@ -102,7 +102,7 @@ class Manifest(_Frozen):
     layer_cost_k: list[float] = []  # the measured NLL increase per removed dim behind them
     layer_cost_v: list[float] = []
     # RoPE models: the query/key statistics were averaged over positions [0, positions) before fitting
-    # (rewrite/factors/positions.py); None: fitted as calibrated (no RoPE, --context 0, or before 1.4)
+    # (factors/positions.py); None: fitted as calibrated (no RoPE, --context 0, or before 1.4)
     positions: int | None = None
     # the dtype the model ran in while the curve was measured (export --dtype); before 1.5 always float32
     search_dtype: str = "float32"
@@ -120,19 +120,16 @@ class Manifest(_Frozen):
     k_bits: list[list[list[int]]] | None = None
     v_bits: list[list[list[int]]] | None = None
     # bits format: each band's per-token scale format (kvfold_runtime.bands.SCALES); before 1.6 always float16
-    band_scale: str = "float16"
+    band_scale: str = LEGACY_BAND_SCALE
     chosen: Point
     curve: list[Point]
     extra_tensors: list[str]  # post-RoPE projections (RoPE models): names in the safetensors files
     files: dict[str, str] = {}  # file name -> sha256, every file of the directory but this one
 
-    def config_block(self) -> dict:
+    def config_block(self) -> ConfigBlock:
         """The `kvfold` block of config.json: what the runtime needs to build the model and its cache."""
-        block = {"schema_version": self.schema_version, "d_k": self.d_k, "d_v": self.d_v,
-                 "post_rope_projections": bool(self.extra_tensors)}
-        if self.k_bits is not None:
-            block |= {"k_bits": self.k_bits, "v_bits": self.v_bits, "band_scale": self.band_scale}
-        return block
+        return ConfigBlock(self.d_k, self.d_v, bool(self.extra_tensors), self.k_bits, self.v_bits, self.band_scale,
+                           self.schema_version)
 
     def accuracy_target(self) -> Target | None:
         """The target the search met (None when the export was made for a compression)."""
@@ -142,16 +139,15 @@ class Manifest(_Frozen):
         return json.dumps(self.model_dump(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, where: str = "kvfold.json") -> Manifest:
+    def from_json(cls, text: str, where: str = MANIFEST) -> Manifest:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise KVFoldError(f"{where} is not valid JSON ({e}); re-export the model") from None
-        major = str(raw.get("schema_version", "")).split(".")[0] if isinstance(raw, dict) else ""
-        if major != SCHEMA_VERSION.split(".")[0]:
-            version = raw.get("schema_version") if isinstance(raw, dict) else None
-            raise KVFoldError(f"{where} has schema version {version!r}; this kvfold reads "
-                              f"{SCHEMA_VERSION.split('.')[0]}.x — upgrade kvfold or re-export")
+        try:
+            check_schema(raw.get("schema_version") if isinstance(raw, dict) else None, f"{where}: ")
+        except ValueError as e:
+            raise KVFoldError(str(e)) from None
         try:
             return cls.model_validate(_upgrade(raw))
         except ValidationError as e:
@@ -159,7 +155,7 @@ class Manifest(_Frozen):
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
-        path = Path(directory) / MANIFEST_FILE
+        path = Path(directory) / MANIFEST
         if not path.is_file():
-            raise KVFoldError(f"'{directory}' is not a kvfold export (no {MANIFEST_FILE})")
+            raise KVFoldError(f"'{directory}' is not a kvfold export (no {MANIFEST})")
         return cls.from_json(path.read_text(), str(path))

@@ -1,2 +1,3 @@
-"""Stage 2, plan: per-head ranks from a removal rate (ranks.py), candidates scored on text
-(evaluate.py), and the search for the largest compression meeting an accuracy target (search.py)."""
+"""Stage 4, plan: per-head ranks (ranks.py) or bit widths (bits.py) from a removal rate, the accuracy target
+(criteria.py), and the search for the largest compression meeting it (search.py, targets.py), kept only
+where the long-context pass keys survive (longrange.py)."""

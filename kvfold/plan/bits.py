@@ -27,16 +27,17 @@ from functools import cache
 
 import torch
 
+from kvfold.factors import LayerBasis, LayerFactors
 from kvfold.plan.ranks import RankPlan, factors_for
-from kvfold.rewrite.factors import LayerBasis, LayerFactors
+from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
 __all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "dim_bits", "plan_bits",
            "theta_for_mean_bits"]
 
-# The bands' per-token scale format (kvfold_runtime.bands.SCALES), charged in the allocation at its bits. log8
-# (one byte, steps of 2^(1/8)) against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
+# The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
+# log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
 # V_SCALE): float16 scales at 0.297 of fp16's bytes gave KL 0.057, log8 at 0.2775 gave KL 0.043.
-SCALE = "log8"
+SCALE = DEFAULT_BAND_SCALE
 # θ_v = V_SCALE · θ_k by default: the proxy above underprices keys' rounding error (it passes through the softmax),
 # so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096 wiki:eval
 # tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio 1.075, KL 0.084; 4 → 0.991,
@@ -49,7 +50,7 @@ V_SCALE = 64.0
 class BitRule:
     theta_k: float  # distortion-per-bit multiplier for keys
     theta_v: float
-    widths: tuple[int, ...] = (0, 2, 3, 4, 5, 6, 8, 16)  # allowed band widths (kvfold_runtime.bands.WIDTHS)
+    widths: tuple[int, ...] = BAND_WIDTHS  # allowed band widths
     layer_k: tuple[float, ...] = ()  # per-layer multipliers of theta (sensitivity allocation); () = all 1
     layer_v: tuple[float, ...] = ()
     scale: str = SCALE  # the bands' scale format (kvfold_runtime.bands.SCALES)
@@ -77,8 +78,6 @@ class BitPlan:
 
     def bands(self, side: str, layer: int) -> list:
         """Layer `layer`'s bands per KV head (kvfold_runtime.bands.Band), side "k" or "v"."""
-        from kvfold_runtime import bands_from_bits
-
         return [bands_from_bits(h, self.scale) for h in (self.k_bits if side == "k" else self.v_bits)[layer]]
 
     def ranks(self) -> RankPlan:
@@ -92,11 +91,9 @@ class BitPlan:
         return tuple(tuple(tuple(map(tuple, layer)) for layer in side) for side in (self.k_bits, self.v_bits))
 
     def bytes_per_token(self) -> int:
-        """Cached bytes per token, every layer's keys and values: codes and scales (kvfold_runtime.bands)."""
-        from kvfold_runtime import band_row_bytes
-
-        return sum(band_row_bytes(h) for side in "kv" for layer in range(len(self.k_bits))
-                   for h in self.bands(side, layer))
+        """Cached bytes per token, every layer's keys and values: codes and scales (the runtime's row layout)."""
+        ranks = self.ranks()
+        return ConfigBlock(ranks.d_k, ranks.d_v, False, *self.kept_bits(), self.scale).bytes_per_token()
 
     @property
     def compression(self) -> float:
@@ -159,8 +156,6 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scal
 
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
-    from kvfold_runtime import BAND_SCALES
-
     k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
     for i, b in enumerate(bases):
         tk, tv = rule.thetas(i)

@@ -4,7 +4,7 @@ The accuracy search scores 512-token windows, which say little about a cache rea
 later. Measured on SmolLM2-135M (2026-11-25, README "Long context"): the default 0.99 export met its
 target on every 512-token text and retrieved 6 of 10 pass keys at 4,096 tokens where the original
 retrieves 10; with one rate for every head (eq6), 8 of 10. So after the search, the passing points are
-tried from the most compressed down, each on the passkey prompts (plan/passkey.py), and the first that
+tried from the most compressed down, each on the passkey prompts (measure/passkey.py), and the first that
 retrieves at least as many keys as the original is chosen. A check per point tried (10 prompts of
 `context` tokens), not per candidate: the search itself stays as cheap as before.
 
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from torch import nn
 
 from kvfold.adapters import Adapter
-from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.errors import KVFoldError
+from kvfold.hooks import AttentionPatch, patched
+from kvfold.measure.passkey import PasskeyPrompt, passkey_hits
 from kvfold.plan.criteria import Target
-from kvfold.plan.passkey import PasskeyPrompt, passkey_hits
 from kvfold.plan.search import CurvePoint
 
 __all__ = ["NUDGES", "keep_passkeys"]

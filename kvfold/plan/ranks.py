@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 
 from kvfold.calib.spectrum import rank_for_removal
-from kvfold.rewrite.factors import LayerBasis, LayerFactors
+from kvfold.factors import LayerBasis, LayerFactors
+from kvfold_runtime import ConfigBlock
 
 __all__ = ["RankPlan", "RankRule", "factors_for", "plan_ranks"]
 
@@ -39,8 +40,9 @@ class RankPlan:
 
     @property
     def compression(self) -> float:
-        """p = 1 − Σ(d_k + d_v) / Σ 2·head_dim over every layer and KV head."""
-        kept = sum(map(sum, self.d_k)) + sum(map(sum, self.d_v))
+        """p = 1 − Σ(d_k + d_v) / Σ 2·head_dim over every layer and KV head: the cache's bytes per token
+        (the runtime's row layout) against the uncompressed cache's, in any one dtype."""
+        kept = ConfigBlock(self.d_k, self.d_v, False).bytes_per_token(element_size=1)
         return 1.0 - kept / (2 * self.head_dim * sum(len(row) for row in self.d_k))
 
 

@@ -52,7 +52,7 @@ class Recipe(BaseModel):
     # multiple and min_rank do not apply. Served by the transformers runtime only, so far.
     format: Literal["rank", "bits"] = "rank"
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
-    # fitted (rewrite/factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
+    # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).
     context: int | None = Field(default=None, ge=0)
     # The dtype the model runs in while candidates are scored (bfloat16: ~4x faster on a CPU with AMX, the

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvfold.errors import KVFoldError
+from kvfold.measure.evaluate import Metrics
 from kvfold.plan.criteria import Target
-from kvfold.plan.evaluate import Metrics
 from kvfold.plan.ranks import RankPlan, RankRule
 
 __all__ = ["CurvePoint", "best_point", "search_rate"]

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvfold.plan.evaluate import Evaluator
+from kvfold.factors import LayerBasis
+from kvfold.measure.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
-from kvfold.rewrite.factors import LayerBasis
 
 __all__ = ["PROBE_RATE", "LayerWeights", "measure_weights"]
 

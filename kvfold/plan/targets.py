@@ -6,13 +6,13 @@ import math
 from collections.abc import Callable
 
 from kvfold.errors import KVFoldError
+from kvfold.factors import LayerBasis
+from kvfold.measure.evaluate import Evaluator
+from kvfold.measure.stored import banded, compressed
 from kvfold.plan.bits import BitPlan, BitRule, bit_factors, plan_bits
 from kvfold.plan.criteria import Target
-from kvfold.plan.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
 from kvfold.plan.search import CurvePoint, search_rate
-from kvfold.plan.stored import banded, compressed
-from kvfold.rewrite.factors import LayerBasis
 
 __all__ = ["bit_patches", "for_accuracy", "for_accuracy_bits", "for_compression", "measure"]
 
@@ -25,7 +25,7 @@ def _scorer(bases: list[LayerBasis], evaluator: Evaluator):
 
 
 def _bit_scorer(bases: list[LayerBasis], evaluator: Evaluator):
-    """Each bits plan scored on the cache it would store (band codes and scales, plan/stored.py)."""
+    """Each bits plan scored on the cache it would store (band codes and scales, measure/stored.py)."""
     like = next(evaluator.model.parameters())  # the model's dtype and device
 
     def score(plan: BitPlan):
@@ -53,7 +53,7 @@ def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[fl
 def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], BitRule],
                       progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
     """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
-    on the cache it would store (band codes and scales, plan/stored.py)."""
+    on the cache it would store (band codes and scales, measure/stored.py)."""
     # θ from 1e-7 on the side with the larger θ (about 8 bits for a head's average dim: int8-like) to θ_k = 0.1
     # (nearly every dim dropped)
     unit = rule(1.0)

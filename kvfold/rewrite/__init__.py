@@ -1,1 +1,1 @@
-"""Stage 3, rewrite: per-head factors from statistics (factors/), then weights baked with them."""
+"""Stage 5, rewrite: the chosen factors baked into the model's weights (bake.py)."""

@@ -19,11 +19,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from kvfold.adapters import Adapter, HeadLayout
-from kvfold.rewrite.factors import LayerFactors
+from kvfold.factors import LayerFactors
+from kvfold_runtime import K_POST, Q_POST
 
-__all__ = ["K_POST", "Q_POST", "bake", "make_projection"]
-
-Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"
+__all__ = ["bake", "make_projection"]
 
 
 def _read(module: nn.Module, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:

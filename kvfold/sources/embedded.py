@@ -63,10 +63,11 @@ def expand_to_mha(src: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvfold_runtime import head_dim as head_dim_of
+
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
     state = model.state_dict()
     for name in [n for n in state if n.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))]:
         w = state[name]  # [kv_heads*d, ...] -> [heads*d, ...]

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvfold.checkpoint.manifest import MANIFEST_FILE, Manifest
-from kvfold.checkpoint.writer import runtime_architecture
+from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
 from kvfold.verify.report import Check
 from kvfold.verify.runtime import require_runtime
+from kvfold_runtime import MANIFEST, ConfigBlock, runtime_class_name
 
 __all__ = ["integrity_checks"]
 
@@ -31,7 +31,7 @@ def _files(directory: Path, m: Manifest) -> Check:
         elif sha256_file(path) != sha:
             problems.append(f"{name} differs from the manifest (sha256)")
     extra = sorted(p.name for p in directory.iterdir()
-                   if p.is_file() and p.name.endswith(_LOADED) and p.name not in m.files and p.name != MANIFEST_FILE)
+                   if p.is_file() and p.name.endswith(_LOADED) and p.name not in m.files and p.name != MANIFEST)
     problems += [f"{name} is not listed in the manifest" for name in extra]
     return Check("files", not problems, "; ".join(problems) or f"{len(m.files)} files match their sha256")
 
@@ -41,15 +41,17 @@ def _config(directory: Path, m: Manifest) -> tuple[Check, dict | None]:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         return Check("config", False, f"config.json unreadable ({e.__class__.__name__})"), None
-    block = config.get("kvfold") or {}
     problems = []
-    if config.get("architectures") != [runtime_architecture(m.source.architecture)]:
+    if config.get("architectures") != [runtime_class_name(m.source.architecture)]:
         problems.append(f"architectures is {config.get('architectures')}, expected "
-                        f"[{runtime_architecture(m.source.architecture)}]")
-    if block.get("d_k") != m.d_k or block.get("d_v") != m.d_v:
+                        f"[{runtime_class_name(m.source.architecture)}]")
+    try:
+        block, ours = ConfigBlock.from_dict(config.get("kvfold")), m.config_block()
+    except ValueError as e:
+        return Check("config", False, str(e)), config
+    if (block.d_k, block.d_v) != (ours.d_k, ours.d_v):
         problems.append("the kvfold block's d_k/d_v differ from the manifest's")
-    if block.get("k_bits") != m.k_bits or block.get("v_bits") != m.v_bits or (
-            m.k_bits is not None and block.get("band_scale", "float16") != m.band_scale):
+    if (block.k_bits, block.v_bits, block.band_scale) != (ours.k_bits, ours.v_bits, ours.band_scale):
         problems.append("the kvfold block's bit widths differ from the manifest's")
     return Check("config", not problems, "; ".join(problems) or "config.json agrees with the manifest"), config
 
@@ -61,7 +63,7 @@ def _expected_shapes(directory: Path, m: Manifest) -> tuple[dict[str, tuple[int,
     require_runtime()
 
     config = AutoConfig.from_pretrained(directory)
-    config.kvfold = m.config_block()
+    config.kvfold = m.config_block().to_dict()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = set(getattr(model, "_tied_weights_keys", None) or {}) if config.tie_word_embeddings else set()
@@ -88,8 +90,8 @@ def _shapes(directory: Path, m: Manifest) -> Check:
 
 def integrity_checks(directory: Path) -> tuple[Manifest | None, list[Check]]:
     """(manifest or None when unreadable, checks). KVFoldError only when this is no kvfold export."""
-    if not (directory / MANIFEST_FILE).is_file():
-        raise KVFoldError(f"'{directory}' is not a kvfold export (no {MANIFEST_FILE}); run kvfold export first")
+    if not (directory / MANIFEST).is_file():
+        raise KVFoldError(f"'{directory}' is not a kvfold export (no {MANIFEST}); run kvfold export first")
     try:
         m = Manifest.load(directory)
     except KVFoldError as e:

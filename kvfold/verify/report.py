@@ -30,7 +30,7 @@ class VerifyReport:
     # runs: per prompt the two greedy continuations and the first differing position (None: identical);
     # forced_agreement: the export's next token = the original's, reading the original's continuations
     generation: dict[str, object] = field(default_factory=dict)
-    # original / exported: passkey keys retrieved, in all and by depth (plan/passkey.py); or skipped: why
+    # original / exported: passkey keys retrieved, in all and by depth (measure/passkey.py); or skipped: why
     passkey: dict[str, object] = field(default_factory=dict)
 
     @property

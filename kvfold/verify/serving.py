@@ -12,14 +12,15 @@ import torch
 from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
-from kvfold.plan.evaluate import Reference, score_model
-from kvfold.plan.passkey import passkey_hits, passkey_length, passkey_prompts, passkey_summary
+from kvfold.measure.evaluate import Reference, score_model
+from kvfold.measure.passkey import passkey_hits, passkey_length, passkey_prompts, passkey_summary
 from kvfold.plan.search import CurvePoint
 from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify.report import Check, VerifyReport
 from kvfold.verify.runtime import require_runtime
+from kvfold_runtime import ConfigBlock
 
 __all__ = ["HELD_OUT_SIGMAS", "SAME_TEXT_TOLERANCE", "SEARCH_CONTEXT", "expected_kv_bytes", "serving_checks"]
 
@@ -50,23 +51,17 @@ def _live_cache(model, ids: torch.Tensor):
         return model(input_ids=ids.to(model.device), use_cache=True).past_key_values
 
 
-def expected_kv_bytes(original_cache, d_k: list[list[int]], d_v: list[list[int]], k_bits: list | None = None,
-                      v_bits: list | None = None, band_scale: str = "float16") -> int:
+def expected_kv_bytes(original_cache, block: ConfigBlock) -> int:
     """Bytes the export's cache must hold for the same tokens: in every layer, as many tokens as the
     original's layer holds (all of them, or a sliding window's last ones) at that layer's widths
     Σd_k + Σd_v, in the same dtype — or, for a bits-format export, that layer's band rows (codes and
-    scales, kvfold_runtime.bands) per token. Equals (1 − p) × the original's bytes only when every layer
+    scales) per token: LayerDims.row_bytes. Equals (1 − p) × the original's bytes only when every layer
     holds every token (and, for bits, the original's cache is float16)."""
     total = 0
-    for i, (layer, k, v) in enumerate(zip(original_cache.layers, d_k, d_v, strict=True)):
+    dims = block.layers(1, len(block.d_k[0]))  # the group does not change a cached row
+    for layer, widths in zip(original_cache.layers, dims, strict=True):
         keys = layer.keys  # [B, H_kv, T_held, d]
-        if k_bits is None:
-            per_token = (sum(k) + sum(v)) * keys.element_size()
-        else:
-            from kvfold_runtime import band_row_bytes, bands_from_bits
-
-            per_token = sum(band_row_bytes(bands_from_bits(h, band_scale)) for h in (*k_bits[i], *v_bits[i]))
-        total += keys.shape[0] * keys.shape[-2] * per_token
+        total += keys.shape[0] * keys.shape[-2] * sum(widths.row_bytes(keys.element_size()))
     return total
 
 
@@ -124,7 +119,7 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
     ids = first.ids[0][None]  # one evaluation window, [1, T]
     caches = {"original": _live_cache(original, ids), "exported": _live_cache(served, ids)}
     total = {k: require_runtime().kv_cache_bytes(c) for k, c in caches.items()}
-    expected = expected_kv_bytes(caches["original"], m.d_k, m.d_v, m.k_bits, m.v_bits, m.band_scale)
+    expected = expected_kv_bytes(caches["original"], m.config_block())
     per_token = {k: v / ids.numel() for k, v in total.items()}
     report.kv_bytes_per_token = {k: int(v) if v == int(v) else v for k, v in per_token.items()}
     report.kv_bytes_ratio = total["exported"] / total["original"]
@@ -139,7 +134,7 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
 
 
 def _passkey(tokenizer, original, served, context: int, report: VerifyReport) -> None:
-    """Passkey retrieval at `context` tokens, or the model's whole context if shorter (plan/passkey.py): the
+    """Passkey retrieval at `context` tokens, or the model's whole context if shorter (measure/passkey.py): the
     export must retrieve as many keys as the original ("no worse": a retrieval rate, so one key won where
     another is lost is a tie; the keys lost are named in the detail). Skipped, and said so, where the model's
     context has no room for the task."""

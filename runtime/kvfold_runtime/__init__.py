@@ -2,11 +2,17 @@
 
 `import kvfold_runtime` registers the KVFold<Arch> classes with transformers' Auto classes, so
 `AutoModelForCausalLM.from_pretrained(EXPORTED_DIR)` returns a model whose cache stores the
-compressed keys and values. Public API: `register`, `runtime_class`, `kv_cache_bytes`, `model_dims`,
-`check_export`, `reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged`, `attention` (the
+compressed keys and values. Public API: `register`, `runtime_class`, `kv_cache_bytes`, `check_export`,
+`reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged`, `attention` (the
 dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and the Triton kernels
 `decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention` (imported on
 first use: triton is needed only where they run).
+
+The checkpoint contract (kvfold_runtime.format, the one definition kvfold writes and every runtime reads):
+`MANIFEST` (the manifest's file name), `SCHEMA_VERSION` and `check_schema`, `Q_POST` / `K_POST` (tensor names
+of the post-RoPE projections), `runtime_class_name`, `head_dim`, `ConfigBlock` (config.json's `kvfold`
+block), `LayerDims` (a layer's widths, offsets and bytes per cached token, both formats) and `model_dims`.
+The architectures served, as data: `FAMILIES` / `Family`.
 
 The bit-band cache format of `--format bits` exports (a head's rotated dims in contiguous bands of one
 bit width, a one-byte scale per band per token; layout in `kvfold_runtime.bands`): `Band`,
@@ -19,14 +25,29 @@ dequantize, what the cache's reader sees).
 the compressed widths. It is imported by vLLM, never here (vLLM is optional).
 """
 
+from kvfold_runtime.bands import DEFAULT_SCALE as DEFAULT_BAND_SCALE
+from kvfold_runtime.bands import LEGACY_SCALE as LEGACY_BAND_SCALE
 from kvfold_runtime.bands import SCALES as BAND_SCALES
+from kvfold_runtime.bands import WIDTHS as BAND_WIDTHS
 from kvfold_runtime.bands import Band, bands_from_bits
 from kvfold_runtime.bands import roundtrip as band_roundtrip
 from kvfold_runtime.bands import row_bytes as band_row_bytes
 from kvfold_runtime.cache import kv_cache_bytes
-from kvfold_runtime.dims import LayerDims, model_dims
 from kvfold_runtime.export import check_export
-from kvfold_runtime.hf import register, runtime_class, runtime_class_name
+from kvfold_runtime.format import (
+    K_POST,
+    MANIFEST,
+    Q_POST,
+    SCHEMA_VERSION,
+    ConfigBlock,
+    LayerDims,
+    check_schema,
+    head_dim,
+    model_dims,
+    runtime_class_name,
+)
+from kvfold_runtime.hf import register, runtime_class
+from kvfold_runtime.hf.families import FAMILIES, Family
 from kvfold_runtime.kernels import (
     attention,
     kernels_for,
@@ -37,11 +58,12 @@ from kvfold_runtime.kernels import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["BAND_SCALES", "Band", "LayerDims", "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits",
-           "check_export", "decode_attention", "kernels_for", "kv_cache_bytes", "model_dims",
-           "paged_attention", "paged_decode_attention", "paged_prefill_attention", "prefill_attention",
-           "reference_attention", "register", "runtime_class", "runtime_class_name", "sdpa_attention",
-           "write_paged"]
+__all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "LEGACY_BAND_SCALE", "MANIFEST",
+           "Q_POST", "SCHEMA_VERSION", "Band", "ConfigBlock", "Family", "LayerDims", "attention", "band_roundtrip",
+           "band_row_bytes", "bands_from_bits", "check_export", "check_schema", "decode_attention", "head_dim",
+           "kernels_for", "kv_cache_bytes", "model_dims", "paged_attention", "paged_decode_attention",
+           "paged_prefill_attention", "prefill_attention", "reference_attention", "register", "runtime_class",
+           "runtime_class_name", "sdpa_attention", "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
            "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill"}

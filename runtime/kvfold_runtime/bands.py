@@ -38,11 +38,13 @@ from itertools import pairwise
 
 import torch
 
-__all__ = ["SCALES", "WIDTHS", "Band", "bands_from_bits", "decode_heads", "dequantize", "encode_heads", "quantize",
-           "roundtrip", "row_bytes"]
+__all__ = ["DEFAULT_SCALE", "LEGACY_SCALE", "SCALES", "WIDTHS", "Band", "bands_from_bits", "decode_heads",
+           "dequantize", "encode_heads", "quantize", "roundtrip", "row_bytes"]
 
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)  # the bit widths a band may have
 SCALES = {"log8": 1, "float16": 2}  # a quantized band's per-token scale format -> its bytes
+DEFAULT_SCALE = "log8"  # what kvfold writes
+LEGACY_SCALE = "float16"  # what an export means when config.json has no band_scale (before schema 1.6)
 LOG8_STEPS = 8  # log8 scale levels per octave
 LOG8_ZERO = 128  # the log8 byte of scale 1.0
 
@@ -52,7 +54,7 @@ class Band:
     start: int  # first dim
     size: int  # dims
     bits: int  # one of WIDTHS, not 0
-    scale: str = "log8"  # its per-token scale's format (SCALES), when bits < 16
+    scale: str = DEFAULT_SCALE  # its per-token scale's format (SCALES), when bits < 16
 
     @property
     def code_bytes(self) -> int:
@@ -67,7 +69,7 @@ class Band:
         return SCALES[self.scale] if self.scaled else 0
 
 
-def bands_from_bits(bits: list[int], scale: str = "log8") -> tuple[Band, ...]:
+def bands_from_bits(bits: list[int], scale: str = DEFAULT_SCALE) -> tuple[Band, ...]:
     """Per-dim bit widths (non-increasing, as the allocation gives them) -> the bands of equal width, zero
     widths left out, their scales stored as `scale` (SCALES)."""
     if scale not in SCALES:

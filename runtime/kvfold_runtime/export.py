@@ -3,7 +3,7 @@
 kvfold's manifest (kvfold.json) records the sha256 of every file `kvfold export` wrote; a runtime that
 serves the folder checks, in order: the manifest is there and of a schema major it reads, the files it
 lists are there and unchanged (sha256), no weight file is there that it does not list, and config.json's
-`kvfold` block describes this model (kvfold_runtime.dims.model_dims). The first failure is one
+`kvfold` block describes this model (kvfold_runtime.format). The first failure is one
 ValueError whose message says what is wrong and what to do. (`kvfold verify` checks far more: shapes,
 accuracy against the original, live cache bytes.)
 """
@@ -14,11 +14,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from kvfold_runtime.dims import SUPPORTED_SCHEMA_MAJOR
+from kvfold_runtime.format import MANIFEST, ConfigBlock, check_schema
 
-__all__ = ["MANIFEST", "check_export"]
-
-MANIFEST = "kvfold.json"
+__all__ = ["check_export"]
 
 
 def _sha256(path: Path) -> str:
@@ -39,10 +37,7 @@ def check_export(folder: str | Path) -> dict:
         raise ValueError(where + f"no {MANIFEST}: not a kvfold export (run kvfold export)") from None
     except (OSError, ValueError) as e:
         raise ValueError(where + f"{MANIFEST} is unreadable ({e}); re-export the model") from None
-    version = str(manifest.get("schema_version", ""))
-    if version.split(".")[0] != SUPPORTED_SCHEMA_MAJOR:
-        raise ValueError(where + f"kvfold schema version {version!r} is not {SUPPORTED_SCHEMA_MAJOR}.x; upgrade "
-                         "kvfold-runtime or re-export the model")
+    check_schema(manifest.get("schema_version"), where)
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise ValueError(where + f"{MANIFEST} lists no files; re-export the model")
@@ -53,8 +48,8 @@ def check_export(folder: str | Path) -> dict:
         if _sha256(path) != digest:
             raise ValueError(where + f"{name} differs from the manifest (sha256): the export is corrupt or was "
                              "edited; re-export the model (`kvfold verify` names every difference)")
-    config = json.loads((folder / "config.json").read_text()).get("kvfold") or {}
-    if config.get("d_k") != manifest.get("d_k") or config.get("d_v") != manifest.get("d_v"):
+    config = ConfigBlock.from_dict(json.loads((folder / "config.json").read_text()).get("kvfold"))
+    if config.d_k != manifest.get("d_k") or config.d_v != manifest.get("d_v"):
         raise ValueError(where + f"config.json's kvfold ranks differ from {MANIFEST}'s: the export was edited; "
                          "re-export the model")
     extra = sorted(p.name for p in folder.glob("*.safetensors") if p.name not in files)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvfold.factors import LayerBasis
 from kvfold.plan.bits import BitRule, dim_bits, plan_bits, theta_for_mean_bits
-from kvfold.rewrite.factors import LayerBasis
 
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)
 

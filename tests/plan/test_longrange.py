@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from kvfold.adapters import get_adapter
-from kvfold.calib.capture import AttentionPatch
 from kvfold.errors import KVFoldError
+from kvfold.hooks import AttentionPatch
+from kvfold.measure.passkey import PasskeyPrompt, passkey_prompts
 from kvfold.plan.criteria import Target
 from kvfold.plan.longrange import keep_passkeys
-from kvfold.plan.passkey import PasskeyPrompt, passkey_prompts
 from kvfold.plan.search import CurvePoint
 from tests.conftest import build_tiny, tiny_tokenizer
 

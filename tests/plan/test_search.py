@@ -3,8 +3,8 @@ import math
 import pytest
 
 from kvfold.errors import KVFoldError
+from kvfold.measure.evaluate import Metrics
 from kvfold.plan.criteria import Target
-from kvfold.plan.evaluate import Metrics
 from kvfold.plan.ranks import RankPlan, RankRule
 from kvfold.plan.search import search_rate
 

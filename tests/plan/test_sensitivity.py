@@ -4,13 +4,13 @@ import pytest
 
 from kvfold.adapters import get_adapter
 from kvfold.calib.tokens import random_sequences
-from kvfold.plan.evaluate import Evaluator
+from kvfold.factors import get_method
+from kvfold.factors.weights import o_proj_heads
+from kvfold.measure.evaluate import Evaluator
 from kvfold.plan.ranks import RankRule, plan_ranks
 from kvfold.plan.sensitivity import CLIP, _weights, measure_weights
-from kvfold.rewrite.factors import get_method
-from kvfold.rewrite.weights import o_proj_heads
 from tests.conftest import VOCAB, build_tiny
-from tests.rewrite.test_factors import tiny_stats
+from tests.factors.test_factors import tiny_stats
 
 
 def test_cheaper_layers_get_larger_multipliers_within_the_clip():

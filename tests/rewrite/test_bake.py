@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from kvfold.adapters import HeadLayout, get_adapter
-from kvfold.calib.capture import patched
-from kvfold.plan.evaluate import _patch
+from kvfold.factors import METHODS, get_method
+from kvfold.factors.weights import o_proj_heads
+from kvfold.hooks import patched
+from kvfold.measure.evaluate import _patch
 from kvfold.rewrite.bake import bake
-from kvfold.rewrite.factors import METHODS, get_method
-from kvfold.rewrite.reference import padded_forward
-from kvfold.rewrite.weights import o_proj_heads
 from tests.conftest import TINY_CONFIGS, VOCAB, build_tiny
-from tests.rewrite.test_factors import tiny_stats
+from tests.factors.test_factors import tiny_stats
+from tests.reference import padded_forward
 
 
 def _factors(model, arch, method, d_k, d_v):

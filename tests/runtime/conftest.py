@@ -13,8 +13,9 @@ import kvfold
 from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
-from kvfold.rewrite.bake import K_POST, Q_POST, bake
+from kvfold.rewrite.bake import bake
 from kvfold.sources.models import weights_sha256
+from kvfold_runtime import K_POST, Q_POST
 from tests.conftest import build_tiny
 from tests.rewrite.test_bake import _factors
 

@@ -19,14 +19,11 @@ from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
 from kvfold_runtime.bands import decode_heads, encode_heads
-from kvfold_runtime.dims import LayerDims
+from kvfold_runtime.format import K_POST, Q_POST, LayerDims
 from kvfold_runtime.hf.families import Family
 from kvfold_runtime.kernels.dispatch import attention
 
-__all__ = ["K_POST", "Q_POST", "KVFoldAttention"]
-
-# Tensor names of the post-RoPE projections in exported checkpoints (the checkpoint format).
-Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"
+__all__ = ["KVFoldAttention"]
 
 
 def _projection(old: nn.Module, n_in: int, n_out: int, conv1d: bool) -> nn.Module:

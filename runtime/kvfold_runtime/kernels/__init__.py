@@ -1,4 +1,4 @@
-"""Attention over compressed, uneven per-head keys and values (packed layouts: see kvfold_runtime.dims;
+"""Attention over compressed, uneven per-head keys and values (packed layouts: see kvfold_runtime.format;
 the paged layout that vLLM's block tables address: see kvfold_runtime.kernels.paged).
 
 reference.py is the oracle; torch_sdpa.py and paged.py the torch path (CPU, and fallbacks);

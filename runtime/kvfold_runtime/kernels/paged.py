@@ -9,7 +9,7 @@ The paged layout — one layout for the vLLM backend, this torch path and the GP
 So a page holds block_size × (Σd_k + Σd_v) numbers: the KV pool shrinks by exactly 1 − p. The numbers are
 the model dtype, or fp8 (vLLM's kv_cache_dtype="fp8": uint8 storage holding float8_e4m3fn / e5m2 codes of
 k / k_scale and v / v_scale, saturated at the format's largest value), which halves the bytes again. Queries and
-outputs keep the contiguous packed layouts of kvfold_runtime.dims ([T, Σ_h d_k(g(h))], [T, Σ_h d_v(g(h))]).
+outputs keep the contiguous packed layouts of kvfold_runtime.format ([T, Σ_h d_k(g(h))], [T, Σ_h d_v(g(h))]).
 
 Requests are described as vLLM does: query_start_loc [R + 1] (their query tokens, concatenated), seq_lens [R]
 (tokens in the cache after this step, the new ones included: the queries are the *last* tokens of each

@@ -1,6 +1,6 @@
 """Flash-decoding in Triton: one new query token per sequence, over keys and values of uneven per-head widths.
 
-Layouts are kvfold's packed ones (kvfold_runtime.dims) and, in paged mode, the one paged layout described in
+Layouts are kvfold's packed ones (kvfold_runtime.format) and, in paged mode, the one paged layout described in
 kvfold_runtime.kernels.paged (rows [k'_0 | … | k'_{G-1} | v'_0 | … | v'_{G-1}], slots through the block table).
 The contract is reference_attention's: scores q·k × `scaling` (the original model's), float32 softmax and
 accumulation, output in the query dtype; query head h reads KV head h // group.

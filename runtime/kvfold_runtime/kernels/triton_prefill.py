@@ -1,6 +1,6 @@
 """Causal flash-attention prefill in Triton over keys and values of uneven per-head widths.
 
-Layouts are kvfold's packed ones (kvfold_runtime.dims); paged mode reads the one paged layout described in
+Layouts are kvfold's packed ones (kvfold_runtime.format); paged mode reads the one paged layout described in
 kvfold_runtime.kernels.paged, through the block table. The contract is reference_attention's (original
 `scaling`, float32 softmax and accumulation, output in the query dtype, query head h reads KV head h // group).
 

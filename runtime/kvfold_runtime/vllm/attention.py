@@ -22,7 +22,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvfold_runtime.dims import LayerDims, model_dims
+from kvfold_runtime.format import K_POST, Q_POST, LayerDims, head_dim, model_dims
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
 from kvfold_runtime.vllm.errors import refuse
 
@@ -64,29 +64,29 @@ class KVFoldVllmAttention(nn.Module):
             raise refuse("kvfold exports are unquantized checkpoints; drop --quantization")
         layer = extract_layer_index(prefix)
         dims: LayerDims = model_dims(config)[layer]  # checked by the model class before any layer is built
-        head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
-        self.dims, self.head_dim = dims, head_dim
-        self.q_full, self.k_full = num_heads * head_dim, num_kv_heads * head_dim
+        self.dims = dims
+        self.head_dim = d = head_dim(config)
+        self.q_full, self.k_full = num_heads * d, num_kv_heads * d
         qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
         self.qkv_proj = MergedColumnParallelLinear(hidden_size, [self.q_full, self.k_full, sum(dims.d_v)],
                                                    bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
         o_bias = bias_o_proj if self.o_bias is None else self.o_bias
         self.o_proj = RowParallelLinear(dims.out_width, hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
         if self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-        self.rotary_emb = get_rope(head_dim, max_position=max_position_embeddings,
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(d, max_position=max_position_embeddings,
                                    rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
         q_widths = [w for w in dims.d_k for _ in range(dims.group)]  # query head h reads KV head h // group
-        self.kvfold_q_post = nn.Parameter(torch.zeros(self.q_full, dims.q_width), requires_grad=False)
-        self.kvfold_k_post = nn.Parameter(torch.zeros(self.k_full, sum(dims.d_k)), requires_grad=False)
-        self.kvfold_q_post.weight_loader = _block_diagonal_loader(head_dim, q_widths)
-        self.kvfold_k_post.weight_loader = _block_diagonal_loader(head_dim, list(dims.d_k))
+        for name, rows, widths in ((Q_POST, self.q_full, q_widths), (K_POST, self.k_full, list(dims.d_k))):
+            post = nn.Parameter(torch.zeros(rows, sum(widths)), requires_grad=False)
+            post.weight_loader = _block_diagonal_loader(d, widths)
+            self.register_parameter(name, post)
         sliding_window = None
         if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
             sliding_window = config.sliding_window
         # the original model's scale: the short vectors approximate the full head_dim product
-        self.attn = Attention(dims.group, sum(dims.d_k), head_dim**-0.5, num_kv_heads=1, head_size_v=sum(dims.d_v),
+        self.attn = Attention(dims.group, sum(dims.d_k), d**-0.5, num_kv_heads=1, head_size_v=sum(dims.d_v),
                               cache_config=cache_config, per_layer_sliding_window=sliding_window,
                               prefix=f"{prefix}.attn", attn_backend=KVFoldAttentionBackend, kvfold_dims=dims)
 
@@ -97,8 +97,8 @@ class KVFoldVllmAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
-        q = q @ self.kvfold_q_post  # [T, Σ_h d_k(g(h))]
-        k = k @ self.kvfold_k_post  # [T, Σ_g d_k]
+        q = q @ getattr(self, Q_POST)  # [T, Σ_h d_k(g(h))]
+        k = k @ getattr(self, K_POST)  # [T, Σ_g d_k]
         out = self.attn(q, k, v)  # [T, Σ_h d_v(g(h))]
         out, _ = self.o_proj(out)
         return out

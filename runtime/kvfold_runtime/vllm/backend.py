@@ -31,7 +31,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from kvfold_runtime.dims import LayerDims
+from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import write_paged
 from kvfold_runtime.kernels.dispatch import paged
 from kvfold_runtime.vllm.errors import refuse

@@ -19,8 +19,8 @@ from vllm.compilation.decorators import ignore_torch_compile
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import WeightsMapper
 
-from kvfold_runtime.dims import model_dims
 from kvfold_runtime.export import check_export
+from kvfold_runtime.format import model_dims, runtime_class_name
 from kvfold_runtime.hf.families import FAMILIES
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
@@ -56,7 +56,7 @@ class _KVFoldLlamaModel(LlamaModel):
 
 
 def _export_class(architecture: str, **attention_traits) -> type:
-    attention = type(f"KVFold{architecture}Attention", (KVFoldVllmAttention,), attention_traits)
+    attention = type(f"{runtime_class_name(architecture)}Attention", (KVFoldVllmAttention,), attention_traits)
 
     class Model(LlamaForCausalLM):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
@@ -67,32 +67,31 @@ def _export_class(architecture: str, **attention_traits) -> type:
         def _init_model(self, vllm_config, prefix: str = "", layer_type=LlamaDecoderLayer):
             return _KVFoldLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
-    Model.__name__ = Model.__qualname__ = f"KVFold{architecture}"
+    Model.__name__ = Model.__qualname__ = runtime_class_name(architecture)
     Model.__doc__ = f"A kvfold export of {architecture}: a KV cache of per-head compressed widths."
     return Model
 
 
-# source architecture -> traits of its attention (everything else is vLLM's Llama)
-SERVED = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-}
+def _traits(family) -> dict:
+    """How the family's attention differs from vLLM's Llama attention (everything else is vLLM's Llama)."""
+    biases = {"qkv_bias": True, "o_bias": False} if family.qkv_bias else {}  # Qwen2: q/k/v biased, o_proj not
+    return biases | ({"qk_norm": True} if family.qk_norm else {})
 
+
+SERVED = {arch: _traits(f) for arch, f in FAMILIES.items() if f.vllm}  # source architecture -> attention traits
 _classes = {arch: _export_class(arch, **traits) for arch, traits in SERVED.items()}
 
 
 def _unservable_class(architecture: str) -> type:
-    served = ", ".join(f"KVFold{a}" for a in SERVED)
+    served = ", ".join(runtime_class_name(a) for a in SERVED)
 
     class Unservable(_classes["LlamaForCausalLM"]):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            raise refuse(f"kvfold's vLLM plugin does not serve KVFold{architecture} exports (it serves "
+            raise refuse(f"kvfold's vLLM plugin does not serve {runtime_class_name(architecture)} exports (it serves "
                          f"{served}); load this one with transformers: import kvfold_runtime, then "
                          "AutoModelForCausalLM.from_pretrained")
 
-    Unservable.__name__ = Unservable.__qualname__ = f"KVFold{architecture}"
+    Unservable.__name__ = Unservable.__qualname__ = runtime_class_name(architecture)
     return Unservable
 
 
@@ -102,4 +101,4 @@ for _arch in FAMILIES:
 
 
 # ModelRegistry.register_model("KVFoldLlamaForCausalLM", "kvfold_runtime.vllm.models:KVFoldLlamaForCausalLM")
-globals().update({f"KVFold{arch}": cls for arch, cls in _classes.items()})
+globals().update({runtime_class_name(arch): cls for arch, cls in _classes.items()})

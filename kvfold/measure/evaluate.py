@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from kvfold.adapters import Adapter
-from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, batches
-from kvfold.rewrite.factors import LayerFactors
+from kvfold.factors import LayerFactors
+from kvfold.hooks import AttentionPatch, patched
 
 __all__ = ["TOP_K", "Evaluator", "Metrics", "Reference", "score_model"]
 

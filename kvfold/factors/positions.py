@@ -6,7 +6,7 @@ i-th plane of a query or key by ω_i·t at position t; a plane whose period is m
 it keeps the directions a key has early in a sequence and drops the ones it turns into later. Measured on
 SmolLM2-135M (2026-11-25, 512-token calibration, every head at r = 0.02 with no sensitivity allocation):
 the export kept the top-1 ratio on 512-token windows and retrieved **0 of 10** pass keys at 1,024 tokens,
-where the original retrieves 6 (plan/passkey.py).
+where the original retrieves 6 (measure/passkey.py).
 
 The fix needs no new data. Shifting every vector by s positions multiplies, in the complex form
 z_a = x_a + i·x_{a+d/2} (transformers' rotate_half pairing), each entry E[z_a z̄_b] of the Hermitian part

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvfold.calib.capture import AttentionPatch
-from kvfold.rewrite.factors import LayerFactors
+from kvfold.factors import LayerFactors
+from kvfold.hooks import AttentionPatch
 
 __all__ = ["banded", "compressed"]
 
@@ -30,7 +30,7 @@ def compressed(factors: LayerFactors, like: torch.dtype | torch.Tensor,
                quantize_v: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AttentionPatch:
     """Attention on the compressed tensors themselves: q' = q A_h, k' = k B_g, v' = v A_v; the cache's
     k' and v' pass through `quantize` (v' through `quantize_v` when given); the output o' B_hᵀ.
-    (plan.evaluate's patch is the same algebra without materialising k' and v', which is why a quantizer
+    (measure.evaluate's patch is the same algebra without materialising k' and v', which is why a quantizer
     needs this one.)"""
     qa, kb = _stack_padded(factors.qk_a, like), _stack_padded(factors.qk_b, like)  # [H|H_kv, d, d]
     va, ob = _stack_padded(factors.v_a, like), _stack_padded(factors.o_b, like)

@@ -7,8 +7,8 @@ from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.calib.artifact import CalibHeader, CalibOptions, CalibStats, ModelIdentity
 from kvfold.calib.run import collect
 from kvfold.calib.tokens import random_sequences
-from kvfold.rewrite.factors import METHODS, get_method
-from kvfold.rewrite.weights import o_proj_heads
+from kvfold.factors import METHODS, get_method
+from kvfold.factors.weights import o_proj_heads
 from tests.conftest import TINY_CONFIGS, VOCAB, build_tiny
 
 

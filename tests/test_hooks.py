@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from kvfold.adapters import HeadLayout, get_adapter
-from kvfold.calib.capture import tapped
 from kvfold.calib.run import collect
 from kvfold.calib.sinks import GramSink, RecordSink
 from kvfold.calib.spectrum import svd_from_gram
 from kvfold.calib.tokens import random_sequences
+from kvfold.hooks import tapped
 from tests.conftest import ROPE_ARCHS, TINY_CONFIGS, VOCAB, build_tiny
 
 

@@ -1,10 +1,10 @@
-"""Passkey prompts (plan/passkey.py): their layout, and one forward pass scoring them as greedy decoding would."""
+"""Passkey prompts (measure/passkey.py): their layout, and one forward pass scoring them as greedy decoding would."""
 
 import pytest
 import torch
 
 from kvfold.errors import KVFoldError
-from kvfold.plan.passkey import DEPTHS, FILLER, PasskeyPrompt, passkey_hits, passkey_prompts, passkey_summary
+from kvfold.measure.passkey import DEPTHS, FILLER, PasskeyPrompt, passkey_hits, passkey_prompts, passkey_summary
 from tests.conftest import build_tiny, tiny_tokenizer
 
 

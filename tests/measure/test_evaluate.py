@@ -5,11 +5,11 @@ import torch
 
 from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.calib.tokens import random_sequences
-from kvfold.plan.evaluate import TOP_K, Evaluator, Metrics, Reference, _binned_kl, score_model
-from kvfold.rewrite.factors import get_method
-from kvfold.rewrite.weights import o_proj_heads
+from kvfold.factors import get_method
+from kvfold.factors.weights import o_proj_heads
+from kvfold.measure.evaluate import TOP_K, Evaluator, Metrics, Reference, _binned_kl, score_model
 from tests.conftest import VOCAB, build_tiny
-from tests.rewrite.test_factors import tiny_stats
+from tests.factors.test_factors import tiny_stats
 
 
 def test_full_rank_candidate_scores_exactly_the_baseline():

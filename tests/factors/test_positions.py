@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvfold.rewrite.factors.positions import position_average, rope_frequencies
+from kvfold.factors.positions import position_average, rope_frequencies
 from tests.conftest import TINY_CONFIGS, build_tiny
 
 ROPE_ARCHS = sorted(a for a in TINY_CONFIGS if a not in ("GPT2LMHeadModel", "OPTForCausalLM"))

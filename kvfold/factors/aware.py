@@ -12,7 +12,7 @@ import torch
 
 from kvfold.calib.artifact import CalibStats
 from kvfold.calib.spectrum import svd_from_gram
-from kvfold.rewrite.factors.base import LayerBasis, inv_sqrt_and_sqrt, ridge
+from kvfold.factors.base import LayerBasis, inv_sqrt_and_sqrt, ridge
 
 __all__ = ["AwareFactors"]
 

@@ -12,7 +12,7 @@ import torch
 
 from kvfold.calib.artifact import CalibStats
 from kvfold.calib.spectrum import svd_from_gram
-from kvfold.rewrite.factors.base import LayerBasis
+from kvfold.factors.base import LayerBasis
 
 __all__ = ["ZackFactors"]
 
