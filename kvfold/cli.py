@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
-from kvfold.bench.cli import app as bench_app
 from kvfold.console import err, out, user_errors
 
 # kvfold.api (torch, transformers) and kvfold.report are imported inside each command, where the work starts,
@@ -162,9 +161,6 @@ def prepare(model: Annotated[str, typer.Argument(help="'smollm2' or a local HF m
     with user_errors():
         path = api.prepare(model)
     out.print(str(path))
-
-
-app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

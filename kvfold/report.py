@@ -1,4 +1,5 @@
-"""Rich renderings of API results (tables, progress). Kept apart so the API returns plain data."""
+"""Rich renderings of API results (tables, progress). Kept apart so the API returns plain data. The product's
+commands only (calibrate, inspect, export, verify); the benchmarks' tables are in kvfold/bench/tables.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from rich.table import Table
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
 
-__all__ = ["calib_summary", "export_summary", "frontier_table", "progress_bar", "spectrum_table", "verify_table"]
+__all__ = ["calib_summary", "export_summary", "progress_bar", "spectrum_table", "verify_table"]
 
 _KIND_NAMES = {"q": "Q (post-RoPE)", "k": "K (post-RoPE)", "v": "V", "o": "attn out"}
 
@@ -87,28 +88,4 @@ def verify_table(report) -> Table:
                       f"(of {run['new_tokens']}); reading the original's continuations the export's next token is "
                       f"the original's on {g['forced_agreement']:.4f} of {g['forced_tokens']}")
     table.caption = "all checks passed" if report.ok else f"FAILED: {', '.join(c.name for c in report.failed())}"
-    return table
-
-
-def frontier_table(report: dict) -> Table:
-    """Compression reached at the target per method and model (kvfold bench frontier)."""
-    target = report["target_top1_ratio"]
-    table = Table(title=f"KV bytes saved at top-1 ratio {target:g} / and also perplexity ratio ≤ {1 / target:.4f} "
-                  f"({report['eval_text']}, {report['date']})")
-    table.add_column("method")
-    for m in report["models"]:
-        table.add_column(f"{m['model']} ({m['num_kv_heads']} KV heads)", justify="right")
-    names = list(dict.fromkeys(r["name"] for m in report["models"] for r in m["methods"]))
-    for name in names:
-        cells = []
-        for m in report["models"]:
-            row = next((r for r in m["methods"] if r["name"] == name), None)
-            if row is None:
-                cells.append("-")
-                continue
-            at, joint = row["compression_at_target"], row.get("compression_at_joint_target")
-            cell = "not reached" if at is None else f"{at:.1%}" + (
-                " (or more)" if row["every_point_passes"] and row["origin"] is None and len(row["points"]) > 1 else "")
-            cells.append(f"{cell} / {'not reached' if joint is None else f'{joint:.1%}'}")
-        table.add_row(name, *cells)
     return table

@@ -16,4 +16,4 @@ mkdir -p "$OUT"
 # nor the search read) the 0.99 perplexity bound does not hold yet (README, "Accuracy out of domain"): the
 # demo shows that table and goes on to serving.
 .venv/bin/kvfold verify "$OUT/SmolLM2-135M-kvfold" || [ $? -eq 1 ]
-.venv/bin/kvfold bench openai --export "$OUT/SmolLM2-135M-kvfold"
+.venv/bin/kvfold-bench openai --export "$OUT/SmolLM2-135M-kvfold"

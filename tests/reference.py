@@ -1,4 +1,5 @@
-"""A plain torch forward of baked weights, for exactness checks (not for serving: it pads).
+"""A plain torch forward of baked weights, for the tests' exactness checks (not for serving: it pads;
+the product measures exports as they are served, through kvfold-runtime).
 
 The HF attention modules reshape projections with `head_dim`, so here each compressed projection is
 wrapped to zero-pad every head back to head_dim (and o_proj to read only each head's kept dims).
@@ -17,10 +18,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kvfold.adapters import Adapter, HeadLayout, get_adapter
-from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
-from kvfold.rewrite.bake import K_POST, Q_POST, make_projection
+from kvfold.hooks import AttentionPatch, patched
+from kvfold.rewrite.bake import make_projection
+from kvfold_runtime import K_POST, Q_POST
 
 __all__ = ["load_baked", "padded_forward"]
 

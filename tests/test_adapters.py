@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from kvfold.adapters import ADAPTERS, HeadLayout, get_adapter
 from kvfold.errors import KVFoldError
@@ -18,8 +17,10 @@ def test_adapter_finds_attention_projections(arch):
     attns = adapter.attention_modules(model)
     assert len(attns) == layout.num_layers
     for attn in attns:
-        o_proj = getattr(attn, adapter.o_proj)
-        assert isinstance(o_proj, torch.nn.Module)
+        o_in_out = getattr(attn, adapter.o_proj).weight.shape  # W_O reads every query head's output
+        if adapter.proj_layout == "linear":
+            o_in_out = o_in_out[::-1]
+        assert tuple(o_in_out) == (layout.num_heads * layout.head_dim, model.config.hidden_size)
         names = [adapter.qkv_fused] if adapter.qkv_fused else [adapter.q_proj, adapter.k_proj, adapter.v_proj]
         for name in names:
             proj = getattr(attn, name)

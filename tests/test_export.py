@@ -170,7 +170,7 @@ def test_full_rank_export_from_disk_reproduces_logits(arch, tiny_dirs, tmp_path)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvfold.rewrite.reference import load_baked, padded_forward
+    from tests.reference import load_baked, padded_forward
 
     calib, out = tmp_path / "c", tmp_path / "o"
     text = tmp_path / "t.txt"
@@ -235,7 +235,7 @@ def test_bfloat16_search_writes_the_sources_dtype(setup, tmp_path):
     """--dtype sets what the model runs in while candidates are scored; the weights written are baked from the
     source's own float32 weights (a full-rank bfloat16 search still reproduces the float32 logits), and the
     manifest records the search's dtype, which a reused curve must match."""
-    from kvfold.rewrite.reference import load_baked, padded_forward
+    from tests.reference import load_baked, padded_forward
 
     out = tmp_path / "bf16"
     result = _export(setup, out, "--ratio", 0, "--multiple", 1, "--min-rank", 16, "--dtype", "bfloat16")

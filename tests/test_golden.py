@@ -45,7 +45,7 @@ def snapshot(folder: Path, root: Path) -> dict:
     tensors = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, "pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            for name in f.keys():
                 t = f.get_tensor(name).double()
                 tensors[name] = {"dtype": str(f.get_slice(name).get_dtype()), "shape": list(t.shape),
                                  "sum": t.sum().item(), "abs_sum": t.abs().sum().item()}

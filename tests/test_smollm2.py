@@ -191,7 +191,7 @@ def test_position_averaged_factors_keep_long_context_retrieval(smollm2, tmp_path
 
 
 def test_smollm2_mha_variant_has_the_same_logits(smollm2):
-    """../shared/DATA.md: num_key_value_heads=9 with each k/v head repeated 3× gives identical logits."""
+    """num_key_value_heads=9 with each k/v head repeated for its 3 query heads gives identical logits."""
     from transformers import AutoModelForCausalLM
 
     mha_dir = api.prepare("smollm2-mha")

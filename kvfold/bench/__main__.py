@@ -1,6 +1,6 @@
-"""python -m kvfold.bench ... (the same commands as `kvfold bench ...`)."""
+"""python -m kvfold.bench ... (the same commands as the `kvfold-bench` console script)."""
 
-from kvfold.bench.cli import app
+from kvfold.bench.cli import main
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from kvfold import api
+from kvfold.errors import KVFoldError
 
 __all__ = ["bench_calibrate", "one_point"]
 
@@ -32,13 +33,21 @@ def one_point(model: str, tokens: int, source: str, seq_len: int, batch: int) ->
 
 
 def bench_calibrate(model: str, tokens: list[int], source: str, seq_len: int, batch: int) -> dict:
-    api.prepare(model)  # build the embedded default's cache outside the timed runs
+    for flag, values in (("--tokens", tokens), ("--seq-len", [seq_len]), ("--batch", [batch])):
+        if min(values) < 1:
+            raise KVFoldError(f"{flag} must be at least 1, got {min(values)}")
+    if source not in ("random", "text"):
+        raise KVFoldError(f"--source must be one of random, text, got '{source}'")
+    api.prepare(model)  # bad models fail here; the embedded default's cache is built outside the timed runs
     points = []
     for n in tokens:
         cmd = [sys.executable, "-m", "kvfold.bench", "calibrate-point", model, "--tokens", str(n),
                "--source", source, "--seq-len", str(seq_len), "--batch", str(batch)]
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            raise KVFoldError(f"calibration of {n} tokens failed: {last[0].removeprefix('error: ')}")
         point = json.loads(done.stdout.strip().splitlines()[-1])
         point["wall_s"] = round(time.perf_counter() - t0, 2)  # whole command: start-up, load, collect, write
         points.append(point)

@@ -1,13 +1,17 @@
-"""`kvfold bench frontier|kernels|calibrate|export|compile|memory|serve ...` (also `python -m kvfold.bench ...`):
-each prints or writes JSON measured in that run."""
+"""`kvfold-bench frontier|kernels|calibrate|export|compile|memory|serve|openai ...` (also `python -m kvfold.bench
+...`): each prints or writes JSON measured in that run. A console script of its own, beside the product's
+`kvfold`: kvfold.cli never imports this package, and the compile benchmark runs `kvfold` as a child process.
+Every command, the hidden per-process ones too, runs inside user_errors: bad input is one `error:` line, exit 2."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.logging import RichHandler
 
 from kvfold.console import err, user_errors
 from kvfold.errors import KVFoldError
@@ -19,6 +23,17 @@ from kvfold.sources.embedded import cache_root
 app = typer.Typer(help="Benchmarks: every figure measured in the run, as JSON.", add_completion=False,
                   rich_markup_mode="markdown",
                   pretty_exceptions_enable=False, no_args_is_help=True)
+
+
+@app.callback()
+def _setup() -> None:  # the API's progress lines on stderr, as under `kvfold`
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=err, show_path=False)])
+
+
+def _at_least_1(*flags: tuple[str, int]) -> None:
+    for flag, value in flags:
+        if value < 1:
+            raise KVFoldError(f"{flag} must be at least 1, got {value}")
 
 
 @app.command()
@@ -43,7 +58,7 @@ def frontier(
     """Accuracy vs KV bytes per method (kvfold, ablations, ZACK/FDC, uniform, Palu, ThinK, fp8, kvfold+fp8,
     kvfold-bits, int8, int4, KIVI)."""
     from kvfold.bench.frontier import bench_frontier
-    from kvfold.report import frontier_table
+    from kvfold.bench.tables import frontier_table
 
     with user_errors():
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
@@ -72,8 +87,7 @@ def kernels(
 
     with user_errors():
         check_paths(json_out, png)
-        if reps < 1:
-            raise KVFoldError("--reps must be at least 1")
+        _at_least_1(("--reps", reps))
         if png is not None:
             from kvfold.bench.frontier.plot import pyplot
 
@@ -95,7 +109,9 @@ def calibrate(
     """Time calibration and measure its peak memory; print JSON."""
     from kvfold.bench.calibrate import bench_calibrate
 
-    print(json.dumps(bench_calibrate(model, tokens or [4096, 16384], source, seq_len, batch), indent=2))
+    with user_errors():
+        report = bench_calibrate(model, tokens or [4096, 16384], source, seq_len, batch)
+    print(json.dumps(report, indent=2))
 
 
 @app.command()
@@ -116,6 +132,7 @@ def export(
     from kvfold.bench.export import bench_export
 
     with user_errors():
+        _at_least_1(("--calib-tokens", calib_tokens), ("--heldout-tokens", heldout_tokens))
         report = bench_export(model, accuracy, method or ["aware", "zack"], calib_tokens, eval_tokens,
                               heldout_tokens, margin, multiple, allocation, metric)
     print(json.dumps(report, indent=2))
@@ -133,7 +150,9 @@ def memory(
     from kvfold.bench.memory import bench_memory
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
-    print(json.dumps(bench_memory(export, against, context, new_tokens, batch), indent=2))
+    with user_errors():
+        report = bench_memory(export, against, context, new_tokens, batch)
+    print(json.dumps(report, indent=2))
 
 
 @app.command()
@@ -154,10 +173,8 @@ def serve(
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
-        for flag, value in (("--kv-cache-mib", kv_cache_mib), ("--requests", requests),
-                            ("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens)):
-            if value < 1:
-                raise KVFoldError(f"{flag} must be at least 1")
+        _at_least_1(("--kv-cache-mib", kv_cache_mib), ("--requests", requests), ("--prompt-tokens", prompt_tokens),
+                    ("--new-tokens", new_tokens))
         report = bench_serve(export, against, kv_cache_mib, requests, prompt_tokens, new_tokens, dtype, eager)
     text = json.dumps(report, indent=2)
     if json_out is not None:
@@ -177,6 +194,7 @@ def openai(
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
+        _at_least_1(("--max-tokens", max_tokens))
         if not (export / "kvfold.json").is_file():
             raise KVFoldError(f"{export} is not a kvfold export (no kvfold.json); run kvfold export first")
         print(json.dumps(ask_server(export, prompt, max_tokens), indent=2))
@@ -204,20 +222,13 @@ def compile(  # the command's name
     print(text)
 
 
-@app.command("compile-stage", hidden=True, context_settings={"allow_extra_args": True,
-                                                              "ignore_unknown_options": True})
-def compile_stage(ctx: typer.Context, peak_file: Path) -> None:
-    from kvfold.bench.compile import run_stage
-
-    raise typer.Exit(run_stage(peak_file, list(ctx.args)))
-
-
 @app.command("serve-point", hidden=True)
 def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, requests: int = 64,
                 prompt_tokens: int = 1024, new_tokens: int = 128, dtype: str = "float32", eager: bool = False) -> None:
     from kvfold.bench.serve import one_engine
 
-    result = one_engine(model, tokenizer_dir, kv_cache_bytes, requests, prompt_tokens, new_tokens, dtype, eager)
+    with user_errors():
+        result = one_engine(model, tokenizer_dir, kv_cache_bytes, requests, prompt_tokens, new_tokens, dtype, eager)
     atomic_write_text(out, json.dumps(result))
 
 
@@ -226,7 +237,9 @@ def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: i
                  exported: bool = False) -> None:
     from kvfold.bench.memory import one_run
 
-    print(json.dumps(one_run(model, exported, context, new_tokens, batch)))
+    with user_errors():
+        result = one_run(model, exported, context, new_tokens, batch)
+    print(json.dumps(result))
 
 
 @app.command("calibrate-point", hidden=True)
@@ -234,8 +247,14 @@ def calibrate_point(model: str, tokens: int = 16384, source: str = "random", seq
                     batch: int = 8) -> None:
     from kvfold.bench.calibrate import one_point
 
-    print(json.dumps(one_point(model, tokens, source, seq_len, batch)))
+    with user_errors():
+        result = one_point(model, tokens, source, seq_len, batch)
+    print(json.dumps(result))
+
+
+def main() -> None:
+    app()
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -1,9 +1,10 @@
-"""`kvfold bench compile`: the whole compile of one model — calibrate → export (the accuracy search, the
+"""`kvfold-bench compile`: the whole compile of one model — calibrate → export (the accuracy search, the
 pass-key check, bake and write; the sensitivity pass too under that allocation) → verify — timed stage by
 stage, with each stage's peak memory.
 
-Each stage is the real `kvfold` command, run in its own process (`compile-stage` below), so its peak RSS is
-its own (os.wait4) and its peak CUDA memory is torch's high-water mark inside it.
+Each stage is the real `kvfold` command, run in its own process (`python -m kvfold ...`, see _STAGE), so its
+peak RSS is its own (os.wait4) and its peak CUDA memory is torch's high-water mark inside it. This module never
+imports kvfold.cli: the bench sits beside the product's CLI, not on top of it.
 
 Shapes: `smollm2` is the real embedded model. `llama3-8b` and `qwen2-7b` are those architectures' exact
 configs with seeded random weights, written to a temporary folder in the bench's dtype with SmolLM2's
@@ -28,7 +29,26 @@ from pathlib import Path
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["SHAPES", "bench_compile", "run_stage"]
+__all__ = ["SHAPES", "bench_compile"]
+
+# `python -m kvfold ARGS` (runpy runs kvfold/__main__.py as -m does), plus one exit hook: torch's CUDA
+# high-water mark of the process, to the file named before ARGS. atexit hooks run after the CLI's SystemExit.
+_STAGE = """\
+import atexit, json, runpy, sys
+
+peak_file = sys.argv.pop(1)
+
+
+def write_peak():
+    torch = sys.modules.get("torch")
+    used = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    with open(peak_file, "w") as f:
+        json.dump({"cuda_peak_bytes": torch.cuda.max_memory_allocated() if used else None}, f)
+
+
+atexit.register(write_peak)
+runpy.run_module("kvfold", run_name="__main__", alter_sys=True)
+"""
 
 _LLAMA_TOKENS = dict(bos_token_id=1, eos_token_id=2)  # SmolLM2's tokenizer's ids
 SHAPES: dict[str, dict | None] = {
@@ -51,10 +71,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int) -> dict:
-    from kvfold.sources.models import resolve_device
+    from kvfold.sources.models import DTYPES, resolve_device
 
     if shape not in SHAPES:
         raise KVFoldError(f"--shape must be one of {', '.join(SHAPES)}, got '{shape}'")
+    for flag, value in (("--dtype", dtype), ("--verify-dtype", verify_dtype)):
+        if value not in DTYPES:
+            raise KVFoldError(f"{flag} must be one of {', '.join(DTYPES)}, got '{value}'")
+    if tokens < 1:
+        raise KVFoldError(f"--tokens must be at least 1, got {tokens}")
     device = resolve_device(device)
     if device == "cpu" and shape.endswith(("-7b", "-8b")):
         raise KVFoldError(f"--shape {shape} is a GPU benchmark (its calibration alone would take hours on a CPU); "
@@ -131,7 +156,7 @@ def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
 def _timed(name: str, args: list[str], root: Path) -> dict:
     """Run `kvfold ARGS` in a child process: wall seconds, its own peak RSS, and its peak CUDA memory."""
     peak = root / f"{name}.peak.json"
-    cmd = [sys.executable, "-m", "kvfold.bench", "compile-stage", str(peak), *args]
+    cmd = [sys.executable, "-c", _STAGE, str(peak), *args]
     t0 = time.perf_counter()
     with open(root / f"{name}.out", "w+") as out, open(root / f"{name}.err", "w+") as err:
         child = subprocess.Popen(cmd, stdout=out, stderr=err)
@@ -147,21 +172,6 @@ def _timed(name: str, args: list[str], root: Path) -> dict:
             "cuda_peak_mib": None if cuda is None else round(cuda / 2**20, 1),
             "stdout": stdout, "stderr_tail": " | ".join(stderr.strip().splitlines()[-3:]),
             "candidates_scored": sum(" candidate p=" in line for line in stderr.splitlines())}
-
-
-def run_stage(peak_file: Path, args: list[str]) -> int:
-    """The child of _timed: the kvfold command in this process, then its peak CUDA memory to `peak_file`."""
-    import torch
-
-    from kvfold.cli import app
-
-    try:
-        rc = app(args, standalone_mode=False) or 0
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    Path(peak_file).write_text(json.dumps({"cuda_peak_bytes": cuda}))
-    return rc
 
 
 def _threads() -> int:

@@ -1,7 +1,8 @@
 """Export at an accuracy target with each factor method, side by side in one run, and check each
 checkpoint on held-out text (wiki:eval: used neither for calibration nor for the search).
 
-The held-out figure comes from the written files (load_baked + padded_forward), not from the search.
+The held-out figure comes from the written files, loaded as they are served (kvfold-runtime through
+transformers' Auto classes, float32 on the CPU, as `kvfold verify` loads them), not from the search.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from transformers import AutoTokenizer
 
 from kvfold import api
 from kvfold.calib.tokens import text_sequences
-from kvfold.plan.evaluate import Reference, score_model
+from kvfold.measure.evaluate import Reference, score_model
 from kvfold.plan.recipe import load_recipe
-from kvfold.rewrite.reference import load_baked, padded_forward
 from kvfold.sources.models import load_model, resolve_model
 from kvfold.sources.text import resolve_text
+from kvfold.verify.serving import load_served
 
 __all__ = ["bench_export"]
 
@@ -43,9 +44,8 @@ def bench_export(model: str, accuracy: float, methods: list[str], calib_tokens: 
             t0 = time.perf_counter()
             result = api.export(model, calib, Path(tmp) / method, recipes[method])
             seconds = time.perf_counter() - t0
-            baked, adapter, m = load_baked(result.output)
-            with padded_forward(baked, adapter, m.d_k, m.d_v):
-                held = score_model(baked, heldout, against=reference)
+            m = result.manifest
+            held = score_model(load_served(result.output), heldout, against=reference)
             rows.append({
                 "method": method, "allocation": m.allocation, "compression_p": round(m.chosen.compression, 4),
                 "kv_bytes_fraction": round(1 - m.chosen.compression, 4),

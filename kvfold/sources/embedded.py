@@ -5,7 +5,7 @@ Converting the GGUF takes ~20 s, so it is done once into a plain safetensors fol
 
 `smollm2-mha` is the same model without grouped-query attention: every KV head repeated for each query
 head of its group (9 KV heads instead of 3). Its logits are the original's; it shows what kvfold does
-when each KV head serves one query head (../shared/DATA.md).
+when each KV head serves one query head (the MHA form that the FDC and ZDC papers measure).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""`kvfold bench compile` end to end on the two-layer shape: every stage is the real command in its own
+"""`kvfold-bench compile` end to end on the two-layer shape: every stage is the real command in its own
 process, and the JSON carries what each one took."""
 
 import json
 
-from tests.test_cli import assert_user_error, run
+from tests.bench.test_cli import run
+from tests.test_cli import assert_user_error
 
 
 def test_compile_times_every_stage(tmp_path):
     out = tmp_path / "compile.json"
-    result = run("bench", "compile", "--shape", "tiny-llama", "--tokens", 1024, "--dtype", "float32",
+    result = run("compile", "--shape", "tiny-llama", "--tokens", 1024, "--dtype", "float32",
                  "--device", "cpu", "--json", out)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -22,5 +23,5 @@ def test_compile_times_every_stage(tmp_path):
 
 
 def test_unknown_shape_and_an_8b_shape_on_the_cpu_are_one_line():
-    assert_user_error(run("bench", "compile", "--shape", "gpt5"), "--shape must be one of")
-    assert_user_error(run("bench", "compile", "--shape", "llama3-8b", "--device", "cpu"), "is a GPU benchmark")
+    assert_user_error(run("compile", "--shape", "gpt5"), "--shape must be one of")
+    assert_user_error(run("compile", "--shape", "llama3-8b", "--device", "cpu"), "is a GPU benchmark")

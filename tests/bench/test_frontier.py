@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvfold.bench.cli import app
 from kvfold.bench.frontier.sweep import Point, at_target
-from kvfold.cli import app
 
 
 def _p(kv: float, ratio: float) -> Point:
@@ -41,7 +41,7 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     model = str(tiny_dirs["LlamaForCausalLM"])
     out, png = tmp_path / "f.json", tmp_path / "f.png"
     res = CliRunner().invoke(app, [
-        "bench", "frontier", "--model", model, "--method", "kvfold+fp8", "--method", "think",
+        "frontier", "--model", model, "--method", "kvfold+fp8", "--method", "think",
         "--eval-tokens", "1024", "--calib-tokens", "1024", "--sensitivity-tokens", "512", "--multiple", "1",
         "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output
@@ -65,7 +65,7 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     out = tmp_path / "f.json"
     res = CliRunner().invoke(app, [
-        "bench", "frontier", "--model", str(model), "--method", "fp8", "--accuracy", "0.5", "--context", "1024",
+        "frontier", "--model", str(model), "--method", "fp8", "--accuracy", "0.5", "--context", "1024",
         "--passkey", "1024", "--eval-tokens", "2048", "--calib-tokens", "1024", "--sensitivity-tokens", "512",
         "--json", str(out)])
     assert res.exit_code == 0, res.output
@@ -85,14 +85,14 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     (["--model", "/nonexistent"], "does not exist"),
 ])
 def test_frontier_bad_input_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, message):
-    res = CliRunner().invoke(app, ["bench", "frontier", "--model", str(tiny_dirs["LlamaForCausalLM"]),
+    res = CliRunner().invoke(app, ["frontier", "--model", str(tiny_dirs["LlamaForCausalLM"]),
                                    "--png", str(tmp_path / "f.png"), *args])
     assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_method_that_cannot_run_fails_before_any_work(tiny_dirs, tmp_path):
-    res = CliRunner().invoke(app, ["bench", "frontier", "--model", str(tiny_dirs["GPT2LMHeadModel"]),
+    res = CliRunner().invoke(app, ["frontier", "--model", str(tiny_dirs["GPT2LMHeadModel"]),
                                    "--method", "fp8", "--method", "palu", "--json", str(tmp_path / "f.json")])
     assert res.exit_code == 2 and "palu needs RoPE" in res.output and "Traceback" not in res.output
     assert list(tmp_path.iterdir()) == []

@@ -14,11 +14,11 @@ from kvfold.bench.frontier.methods.palu import prerope_grams
 from kvfold.bench.frontier.methods.think import channel_masks
 from kvfold.bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask, mapped_projections
 from kvfold.bench.frontier.setup import Setup
-from kvfold.calib.capture import patched
-from kvfold.plan.evaluate import _patch
+from kvfold.factors import get_method
+from kvfold.factors.weights import o_proj_heads
+from kvfold.hooks import patched
+from kvfold.measure.evaluate import _patch
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
-from kvfold.rewrite.factors import get_method
-from kvfold.rewrite.weights import o_proj_heads
 
 ARCH = "LlamaForCausalLM"
 

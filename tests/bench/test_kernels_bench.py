@@ -1,4 +1,4 @@
-"""`kvfold bench kernels`: its widths, its refusal without a GPU, and a smoke run end to end (the Triton
+"""`kvfold-bench kernels`: its widths, its refusal without a GPU, and a smoke run end to end (the Triton
 kernels in the interpreter on CPU: the command and its JSON/PNG, not its timings)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvfold.bench.kernels import synthetic_layer
+from tests.bench.test_cli import run
 from tests.runtime.conftest import write_export
-from tests.test_cli import assert_user_error, run
+from tests.test_cli import assert_user_error
 
 
 @pytest.mark.parametrize("p", [0.25, 0.5])
@@ -27,15 +28,15 @@ def test_synthetic_layers_keep_one_minus_p_uniform_or_uneven(p):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
-    assert_user_error(run("bench", "kernels", "--json", tmp_path / "k.json"), "has no CUDA device",
+    assert_user_error(run("kernels", "--json", tmp_path / "k.json"), "has no CUDA device",
                       tmp_path / "k.json")
-    assert_user_error(run("bench", "kernels", "--json", tmp_path / "no" / "k.json"), "does not exist")
+    assert_user_error(run("kernels", "--json", tmp_path / "no" / "k.json"), "does not exist")
 
 
 def test_a_smoke_run_writes_json_and_png(tiny_dirs, tmp_path):
     export = write_export("LlamaForCausalLM", tiny_dirs["LlamaForCausalLM"], tmp_path / "export", "uneven")
     out, png = tmp_path / "k.json", tmp_path / "k.png"
-    done = subprocess.run([sys.executable, "-m", "kvfold", "bench", "kernels", "--smoke", "--reps", "1",
+    done = subprocess.run([sys.executable, "-m", "kvfold.bench", "kernels", "--smoke", "--reps", "1",
                            "--export", str(export.path), "--json", str(out), "--png", str(png)],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,17 +1,17 @@
-"""`kvfold bench serve|openai` refuse bad input before starting any engine (the vLLM runs themselves are
+"""`kvfold-bench serve|openai` refuse bad input before starting any engine (the vLLM runs themselves are
 in tests/runtime/test_vllm.py)."""
 
 import pytest
 from typer.testing import CliRunner
 
-from kvfold.cli import app
+from kvfold.bench.cli import app
 
 
 @pytest.mark.parametrize("args", [
-    ["bench", "serve", "--export", "{tmp}"],
-    ["bench", "serve", "--export", "{tmp}", "--requests", "0"],
-    ["bench", "serve", "--export", "{tmp}", "--kv-cache-mib", "0"],
-    ["bench", "openai", "--export", "{tmp}"],
+    ["serve", "--export", "{tmp}"],
+    ["serve", "--export", "{tmp}", "--requests", "0"],
+    ["serve", "--export", "{tmp}", "--kv-cache-mib", "0"],
+    ["openai", "--export", "{tmp}"],
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args):
     args = [a.format(tmp=tmp_path) for a in args]

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvfold_runtime
-from kvfold.rewrite.reference import load_baked, padded_forward
 from tests.conftest import TINY_CONFIGS, VOCAB
+from tests.reference import load_baked, padded_forward
 
 ARCHS = sorted(TINY_CONFIGS)
 

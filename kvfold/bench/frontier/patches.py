@@ -1,5 +1,5 @@
 """The attention changes the frontier benchmark scores, as patches around each layer's attention call
-(kvfold.calib.capture) or maps of a projection's output. Each one is what a serving engine would do to
+(kvfold.hooks) or maps of a projection's output. Each one is what a serving engine would do to
 the tensors it caches; the model otherwise runs unchanged.
 """
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from kvfold.adapters import Adapter
-from kvfold.calib.capture import AttentionPatch
-from kvfold.plan.stored import banded, compressed
+from kvfold.hooks import AttentionPatch
+from kvfold.measure.stored import banded, compressed
 
 __all__ = ["FP8_MAX", "ProjMap", "banded", "compressed", "fp8_roundtrip", "key_channel_mask", "mapped_projections",
            "quantized_kv"]

@@ -73,7 +73,7 @@ def draw(report: dict, path: Path) -> None:
         ppl.legend(fontsize=7.5, loc="upper left")
         notes = "\n".join(textwrap.fill(n, 110) for n in model.get("notes", []))
         ppl.text(0.0, -0.13, notes, transform=ppl.transAxes, ha="left", va="top", fontsize=7.5)
-    fig.suptitle(f"kvfold bench frontier, {report['date']} ({report['eval_text']}, ranks rounded to "
+    fig.suptitle(f"kvfold-bench frontier, {report['date']} ({report['eval_text']}, ranks rounded to "
                  f"multiples of {report['rank_multiple']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,4 +1,4 @@
-"""`kvfold bench frontier`: every method swept on each model, one JSON (and PNG) with every point."""
+"""`kvfold-bench frontier`: every method swept on each model, one JSON (and PNG) with every point."""
 
 from __future__ import annotations
 

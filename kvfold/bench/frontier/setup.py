@@ -11,14 +11,14 @@ from torch import nn
 
 from kvfold import api
 from kvfold.calib.artifact import CalibStats
-from kvfold.calib.capture import AttentionPatch, patched
 from kvfold.calib.tokens import Sequences, text_sequences
-from kvfold.plan.evaluate import Evaluator, Metrics, Reference, score_model
-from kvfold.plan.passkey import passkey_hits, passkey_prompts, passkey_summary
+from kvfold.factors import LayerBasis, get_method
+from kvfold.factors.positions import fitted_statistics
+from kvfold.factors.weights import o_proj_heads
+from kvfold.hooks import AttentionPatch, patched
+from kvfold.measure.evaluate import Evaluator, Metrics, Reference, score_model
+from kvfold.measure.passkey import passkey_hits, passkey_prompts, passkey_summary
 from kvfold.plan.sensitivity import LayerWeights, measure_weights
-from kvfold.rewrite.factors import LayerBasis, get_method
-from kvfold.rewrite.factors.positions import fitted_statistics
-from kvfold.rewrite.weights import o_proj_heads
 from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
@@ -46,7 +46,7 @@ class Setup:
     sensitivity_tokens: int = 512  # wiki:dev: costs are never measured on the text that is scored
     multiple: int = 1
     context: int = 512  # the scored windows' length (calibration and sensitivity windows stay at seq_len)
-    passkey: int = 0  # passkey prompt length (plan/passkey.py); 0: none
+    passkey: int = 0  # passkey prompt length (measure/passkey.py); 0: none
     ref: ModelRef = field(init=False)
     model: nn.Module = field(init=False)
     windows: Sequences = field(init=False)
@@ -87,7 +87,7 @@ class Setup:
 
     def passkey_score(self, patches: dict[int, AttentionPatch],
                       proj_maps: dict[tuple[int, str], ProjMap] | None = None) -> dict:
-        """Passkey keys retrieved (plan/passkey.py) with `patches` and `proj_maps`, as `score` runs."""
+        """Passkey keys retrieved (measure/passkey.py) with `patches` and `proj_maps`, as `score` runs."""
         prompts = self._prompts
         with patched(self.model, self.adapter, patches), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):

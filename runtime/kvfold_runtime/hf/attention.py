@@ -1,7 +1,7 @@
 """The attention module of an exported model: projections at their compressed widths, a cache that
 stores k' and v' packed at those widths, attention on the short vectors with no decompression.
 
-Per layer (row vectors; see kvfold's DESIGN.md):
+Per layer (row vectors; the algebra: docs/design.md in the kvfold repository):
   RoPE models:  q = RoPE(norm(x W_q)) A_h,  k' = RoPE(norm(x W_k)) B_g   (A, B: kvfold_q_post/k_post)
   others:       q = x W_q',  k' = x W_k'   (A and B already folded into the weights)
   all:          v' = x W_v',  out = Σ_h attn_h(q, k', v') W_O'^h

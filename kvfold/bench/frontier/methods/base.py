@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvfold.calib.capture import AttentionPatch
+from kvfold.hooks import AttentionPatch
 
 from ..patches import ProjMap
 

@@ -1,6 +1,6 @@
 """kvfold itself and its ablations: one class, each registered variant changes one choice.
 
-kvfold = output-aware V + whitened Q/K factors (rewrite/factors/aware.py) from text calibration, ranks
+kvfold = output-aware V + whitened Q/K factors (factors/aware.py) from text calibration, ranks
 from removal rates scaled per layer by measured sensitivity (plan/sensitivity.py). Ablations: one rate r
 for K and V in every head (eq6, the papers' rule) with r_v = r_k or r_v = r_k / 4; random-token or ZDC
 (pruned + K-means) calibration instead of text — their sensitivity multipliers are kvfold's own, measured

@@ -90,7 +90,7 @@ class Kivi:
         return f"KIVI int{self.bits} (no fp16 residual)"
 
     def candidates(self, setup) -> Iterator[Candidate]:
-        from kvfold.calib.capture import AttentionPatch
+        from kvfold.hooks import AttentionPatch
 
         d = HeadLayout.from_config(setup.model.config).head_dim
         # per token and head: d·bits/8 code bytes; keys 4 bytes (scale + zero) per channel per 32 tokens,
