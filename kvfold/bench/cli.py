@@ -191,12 +191,13 @@ def openai(
     """vLLM's OpenAI-compatible server on the export (127.0.0.1, a free port): one /v1/completions and one
     /v1/chat/completions, then stopped; JSON with the answers and the seconds each step took."""
     from kvfold.bench.openai_server import ask_server
+    from kvfold_runtime import MANIFEST
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         _at_least_1(("--max-tokens", max_tokens))
-        if not (export / "kvfold.json").is_file():
-            raise KVFoldError(f"{export} is not a kvfold export (no kvfold.json); run kvfold export first")
+        if not (export / MANIFEST).is_file():
+            raise KVFoldError(f"{export} is not a kvfold export (no {MANIFEST}); run kvfold export first")
         print(json.dumps(ask_server(export, prompt, max_tokens), indent=2))
 
 

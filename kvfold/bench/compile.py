@@ -107,7 +107,9 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
             if name != "verify" and results[-1]["rc"] != 0:
                 raise KVFoldError(f"bench compile: kvfold {name} failed (exit {results[-1]['rc']}): "
                                   f"{results[-1]['stderr_tail']}")
-        manifest = json.loads((out / "kvfold.json").read_text())
+        from kvfold_runtime import MANIFEST
+
+        manifest = json.loads((out / MANIFEST).read_text())
         report = json.loads(results[-1].pop("stdout") or "{}")
     scored = results[1]["candidates_scored"]
     for r in results:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import kvfold
 from kvfold.errors import KVFoldError
+from kvfold_runtime import MANIFEST, LayerDims, head_dim, model_dims
 
 __all__ = ["LayerWidths", "bench_kernels", "synthetic_layer"]
 
@@ -37,19 +38,33 @@ SMOKE_DECODE, SMOKE_PREFILL = [(2, 96)], [48]
 @dataclass(frozen=True)
 class LayerWidths:
     name: str
-    num_heads: int
     head_dim: int
-    d_k: list[int]
-    d_v: list[int]
+    dims: LayerDims  # the runtime's: widths per KV head, group, bytes per cached token
+
+    @classmethod
+    def of(cls, name: str, num_heads: int, head_dim: int, d_k: list[int], d_v: list[int]) -> LayerWidths:
+        return cls(name, head_dim, LayerDims(tuple(d_k), tuple(d_v), num_heads // len(d_k)))
+
+    @property
+    def num_heads(self) -> int:
+        return self.dims.group * self.dims.num_kv_heads
 
     @property
     def group(self) -> int:
-        return self.num_heads // len(self.d_k)
+        return self.dims.group
+
+    @property
+    def d_k(self) -> list[int]:
+        return list(self.dims.d_k)
+
+    @property
+    def d_v(self) -> list[int]:
+        return list(self.dims.d_v)
 
     @property
     def p(self) -> float:
-        """Compression of this layer's cache: 1 − Σ(d_k + d_v) / (2·G·d)."""
-        return 1 - (sum(self.d_k) + sum(self.d_v)) / (2 * len(self.d_k) * self.head_dim)
+        """Compression of this layer's cache: 1 − its row / the uncompressed row (2·G·d numbers)."""
+        return 1 - sum(self.dims.row_bytes(element_size=1)) / (2 * self.dims.num_kv_heads * self.head_dim)
 
     @property
     def flop_ratio(self) -> float:
@@ -64,7 +79,7 @@ def synthetic_layer(p: float, uneven: bool, num_heads: int, num_kv_heads: int, h
     total = round((1 - p) * num_kv_heads * head_dim)
     if not uneven:
         w = [total // num_kv_heads] * num_kv_heads
-        return LayerWidths(f"uniform p={p:g}", num_heads, head_dim, w, list(w))
+        return LayerWidths.of(f"uniform p={p:g}", num_heads, head_dim, w, list(w))
     gen = torch.Generator().manual_seed(seed)
 
     def draw() -> list[int]:
@@ -79,21 +94,22 @@ def synthetic_layer(p: float, uneven: bool, num_heads: int, num_kv_heads: int, h
             i += 1
         return w
 
-    return LayerWidths(f"uneven p={p:g}", num_heads, head_dim, draw(), draw())
+    return LayerWidths.of(f"uneven p={p:g}", num_heads, head_dim, draw(), draw())
 
 
 def _export_layer(path: Path) -> LayerWidths:
-    """The median layer (by Σ widths) of an export's manifest."""
-    import json
+    """The median layer (by its cached row) of an export, read as a runtime reads it."""
+    from transformers import AutoConfig
 
-    manifest = path / "kvfold.json"
-    if not manifest.is_file():
-        raise KVFoldError(f"--export {path} is not a kvfold export (no kvfold.json); pass an export's folder")
-    m = json.loads(manifest.read_text())
-    layers = sorted(range(len(m["d_k"])), key=lambda i: sum(m["d_k"][i]) + sum(m["d_v"][i]))
-    i = layers[len(layers) // 2]
-    return LayerWidths(f"{m['source']['spec']} export layer {i}", m["num_heads"], m["head_dim"], m["d_k"][i],
-                       m["d_v"][i])
+    if not (path / MANIFEST).is_file():
+        raise KVFoldError(f"--export {path} is not a kvfold export (no {MANIFEST}); pass an export's folder")
+    config = AutoConfig.from_pretrained(path)
+    try:
+        dims = model_dims(config)
+    except ValueError as e:
+        raise KVFoldError(f"--export {path}: {e}") from None
+    i = sorted(range(len(dims)), key=lambda n: sum(dims[n].row_bytes()))[len(dims) // 2]
+    return LayerWidths(f"{path.name} export layer {i}", head_dim(config), dims[i])
 
 
 def _timer(device: torch.device):
@@ -146,7 +162,7 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
                      ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
         t = timed(fn, reps)
         row[f"{name}_us"], row[f"{name}_ratio"] = round(t * 1e6, 1), round(t / t_sdpa, 3)
-    kv_bytes = b * s * (sum(layer.d_k) + sum(layer.d_v)) * q.element_size()
+    kv_bytes = b * s * sum(layer.dims.row_bytes(q.element_size()))
     row["kvfold_triton_tb_per_s"] = round(kv_bytes / (row["kvfold_triton_us"] * 1e-6) / 1e12, 3)
     row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
     return row

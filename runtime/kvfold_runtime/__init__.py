@@ -34,6 +34,7 @@ from kvfold_runtime.bands import roundtrip as band_roundtrip
 from kvfold_runtime.bands import row_bytes as band_row_bytes
 from kvfold_runtime.cache import kv_cache_bytes
 from kvfold_runtime.export import check_export
+from kvfold_runtime.families import FAMILIES, Family
 from kvfold_runtime.format import (
     K_POST,
     MANIFEST,
@@ -47,7 +48,6 @@ from kvfold_runtime.format import (
     runtime_class_name,
 )
 from kvfold_runtime.hf import register, runtime_class
-from kvfold_runtime.hf.families import FAMILIES, Family
 from kvfold_runtime.kernels import (
     attention,
     kernels_for,

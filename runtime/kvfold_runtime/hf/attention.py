@@ -19,8 +19,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
 from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.families import Family
 from kvfold_runtime.format import K_POST, Q_POST, LayerDims
-from kvfold_runtime.hf.families import Family
 from kvfold_runtime.kernels.dispatch import attention
 
 __all__ = ["KVFoldAttention"]

@@ -2,11 +2,21 @@
 
 Each class is its source class (e.g. LlamaForCausalLM) with every attention module replaced by
 KVFoldAttention at the widths in config.json's `kvfold` block. An export keeps `model_type` (so any
-tool that reads configs still understands it) and names `KVFold<Arch>` in `architectures`. The Auto
-mapping of the source config class gets a small dispatcher that loads the KVFold class when
-`architectures` names it and the source class otherwise, so plain checkpoints load as before.
-(transformers' own tuple-valued mappings would do the same but fail on configs whose `architectures`
-is None, e.g. `AutoModelForCausalLM.from_config(LlamaConfig())`.)
+tool that reads configs still understands it) and names `KVFold<Arch>` in `architectures`.
+
+Registration uses the two public calls of transformers' "Extending the Auto Classes" docs only:
+`AutoConfig.register(model_type, config_class)` and `AutoModelForCausalLM.register(config_class,
+model_class)`. The Auto model mapping of a config class that transformers itself defines cannot be
+changed through them (transformers 5.17 skips every such registration without a word; 5.19 skips it
+unless exist_ok), so exports get a config class of their own: KVFold<Config>, a subclass of the source
+config with the same `model_type`, registered with AutoConfig for that `model_type`. Calling it builds
+a KVFold<Config> only when `architectures` names the KVFold class and the plain source config
+otherwise (ExportConfigMeta), so plain checkpoints, `AutoConfig.for_model` and sub-configs of
+composite models get exactly the class they got before. AutoModelForCausalLM maps KVFold<Config> to a
+small dispatcher that loads the KVFold class when `architectures` names it and the source class
+otherwise (a caller may point an export config at the source class, as kvfold's reference loader
+does). Plain config classes keep transformers' own mapping: `AutoModelForCausalLM.from_config(
+LlamaConfig())` is untouched.
 
 Classes are built on first use: `import kvfold_runtime` imports config classes only, no modeling code.
 """
@@ -17,28 +27,23 @@ import functools
 import importlib
 
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvfold_runtime.dims import model_dims
+from kvfold_runtime.families import FAMILIES, Family
+from kvfold_runtime.format import head_dim, model_dims, runtime_class_name
 from kvfold_runtime.hf.attention import KVFoldAttention
-from kvfold_runtime.hf.families import FAMILIES, Family
 
-__all__ = ["register", "runtime_class", "runtime_class_name"]
-
-
-def runtime_class_name(architecture: str) -> str:
-    return f"KVFold{architecture}"
+__all__ = ["export_config_class", "register", "runtime_class"]
 
 
 def _compress_attention(model, family: Family) -> None:
     attention_cls = getattr(importlib.import_module(family.module), family.attention)
-    dims = model_dims(model.config)
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    dims, d = model_dims(model.config), head_dim(model.config)
     found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, attention_cls):
-                setattr(parent, name, KVFoldAttention(child, family, dims[child.layer_idx], head_dim))
+                setattr(parent, name, KVFoldAttention(child, family, dims[child.layer_idx], d))
                 found += 1
     assert found == len(dims), f"{family.attention}: found {found} attention modules, config lists {len(dims)}"
 
@@ -60,7 +65,36 @@ def runtime_class(architecture: str) -> type:
                                 "__doc__": f"{architecture} with a compressed KV cache (kvfold export)."})
 
 
-def _dispatcher(family: Family, config_class: type) -> type:
+class ExportConfigMeta(type):
+    """The metaclass of KVFold<Config>: a call builds the source config unless `architectures` names
+    the KVFold class. Copies and unpickling go through `__new__`, so they keep the class they copy."""
+
+    def __call__(cls, *args, **kwargs):
+        if runtime_class_name(cls.kvfold_architecture) in (kwargs.get("architectures") or ()):
+            return super().__call__(*args, **kwargs)
+        return cls.__base__(*args, **kwargs)
+
+
+@functools.cache
+def export_config_class(architecture: str) -> type:
+    """KVFold<Config>: the config class of exports of `architecture` (a source class name)."""
+    family = FAMILIES[architecture]
+    base = getattr(transformers, family.config)
+    name = runtime_class_name(family.config)
+    return ExportConfigMeta(name, (base,), {
+        "__module__": __name__, "__qualname__": name, "kvfold_architecture": architecture,
+        "__doc__": f"{family.config} of a kvfold export of {architecture} (same model_type, same fields)."})
+
+
+def __getattr__(name: str) -> type:
+    """KVFold<Config> by name, so pickle (vLLM sends configs to its workers) finds the classes."""
+    for arch, family in FAMILIES.items():
+        if name == runtime_class_name(family.config):
+            return export_config_class(arch)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _dispatcher(family: Family) -> type:
     runtime_name = runtime_class_name(family.architecture)
 
     def pick(config) -> type:
@@ -69,9 +103,10 @@ def _dispatcher(family: Family, config_class: type) -> type:
         return getattr(importlib.import_module(family.module), family.architecture)
 
     class AutoDispatch:
-        config_class = None  # set below
+        config_class = export_config_class(family.architecture)
         kvfold_family = family
 
+        # The hook AutoModelForCausalLM.from_config calls on a registered class.
         @classmethod
         def _from_config(cls, config, **kwargs):
             return pick(config)._from_config(config, **kwargs)
@@ -80,7 +115,6 @@ def _dispatcher(family: Family, config_class: type) -> type:
         def from_pretrained(cls, path, *args, config=None, **kwargs):
             return pick(config).from_pretrained(path, *args, config=config, **kwargs)
 
-    AutoDispatch.config_class = config_class
     AutoDispatch.__name__ = AutoDispatch.__qualname__ = f"{family.architecture}Or{runtime_name}"
     return AutoDispatch
 
@@ -89,10 +123,10 @@ _registered: set[str] = set()
 
 
 def register() -> None:
-    """Let AutoModelForCausalLM load exports of every supported architecture. Idempotent."""
+    """Let AutoConfig and AutoModelForCausalLM load exports of every supported architecture. Idempotent."""
     for arch, family in FAMILIES.items():
         if arch not in _registered:
-            config_class = getattr(transformers, family.config)
-            AutoModelForCausalLM._model_mapping.register(config_class, _dispatcher(family, config_class),
-                                                         exist_ok=True)
+            config_class = export_config_class(arch)
+            AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+            AutoModelForCausalLM.register(config_class, _dispatcher(family), exist_ok=True)
             _registered.add(arch)

@@ -34,8 +34,8 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from kvfold_runtime.families import FAMILIES
     from kvfold_runtime.format import runtime_class_name
-    from kvfold_runtime.hf.families import FAMILIES
 
     if not _version_ok(vllm.__version__):
         # Never break vLLM for plain models: say why exports will not load, register nothing.

@@ -20,8 +20,8 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import WeightsMapper
 
 from kvfold_runtime.export import check_export
+from kvfold_runtime.families import FAMILIES
 from kvfold_runtime.format import model_dims, runtime_class_name
-from kvfold_runtime.hf.families import FAMILIES
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
 
