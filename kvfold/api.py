@@ -19,15 +19,14 @@ from kvfold.calib.tokens import batches, prune, random_sequences, text_sequences
 from kvfold.errors import KVFoldError
 from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
-from kvfold.plan.recipe import Recipe, load_recipe
+from kvfold.plan.recipe import Recipe, RecipeOverrides, load_recipe
 from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify import DEFAULT_TEXTS, VerifyReport, verify
 
-__all__ = ["DEFAULT_TEXTS", "CalibResult", "ExportResult", "Recipe", "VerifyReport", "calibrate", "export", "inspect",
-           "load_recipe",
-           "prepare", "verify"]
+__all__ = ["DEFAULT_TEXTS", "CalibResult", "ExportResult", "Recipe", "RecipeOverrides", "VerifyReport", "calibrate",
+           "export", "inspect", "load_recipe", "prepare", "verify"]
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,24 @@ import typer
 from rich.logging import RichHandler
 
 from kvfold.console import err, out, user_errors
+from kvfold.plan.recipe import DEFAULT_METRIC, V_SCALES, Recipe, RecipeOverrides
 
 # kvfold.api (torch, transformers) and kvfold.report are imported inside each command, where the work starts,
-# so that `kvfold --help` and `kvfold CMD --help` answer at once.
+# so that `kvfold --help` and `kvfold CMD --help` answer at once (kvfold.plan.recipe is torch-free).
 
 app = typer.Typer(
     help="Compile a HF decoder LLM into a checkpoint with a smaller KV cache.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # help texts show defaults as [x]; rich markup would swallow them
 )
+
+
+def _default(option: str) -> str:
+    """An export option's default as its help shows it, e.g. "[16384]": read from the Recipe, where it is defined."""
+    value = Recipe.model_fields[option].default
+    return f"[{value:g}]" if isinstance(value, float) else f"[{value}]"
+
+
 @app.callback()
 def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False):
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s",
@@ -65,33 +74,39 @@ def export(
                                                    "ratio ≥ A and perplexity ratio ≤ 1/A).")] = None,
     ratio: Annotated[float | None, typer.Option(help="Instead: reach this KV compression p.")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe with these options (flags override).")] = None,
-    method: Annotated[str | None, typer.Option(help="aware (kvfold's, default) or zack (the papers').")] = None,
+    method: Annotated[str | None, typer.Option(help="aware (kvfold's) or zack (the papers') "
+                                               f"{_default('method')}.")] = None,
     eval_text: Annotated[str | None, typer.Option(
-        help="Text the search scores on; A+B mixes texts in equal shares [wiki:dev+pydoc:dev].")] = None,
-    eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on [16384].")] = None,
-    metric: Annotated[str | None, typer.Option(help="joint (top-1 and perplexity, default), top1, ppl, agree "
-                                               "(top-1 agreement with the original) or kl.")] = None,
+        help=f"Text the search scores on; A+B mixes texts in equal shares {_default('eval_text')}.")] = None,
+    eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on "
+                                                    f"{_default('eval_tokens')}.")] = None,
+    metric: Annotated[str | None, typer.Option(help="joint (top-1 and perplexity), top1, ppl, agree (top-1 "
+                                               "agreement with the original) or kl "
+                                               f"[{DEFAULT_METRIC}; with --max-kl: kl].")] = None,
     max_kl: Annotated[float | None, typer.Option(help="Instead: mean KL divergence from the original ≤ this "
                                                  "(nats per token).")] = None,
-    multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this [8].")] = None,
-    min_rank: Annotated[int | None, typer.Option(help="Smallest rank of any head [8].")] = None,
-    v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K [1; bits: 64].")] = None,
-    allocation: Annotated[str | None, typer.Option(help="eq6 (one rate, the papers', default) or sensitivity "
-                                                   "(per-layer rates from measured costs).")] = None,
+    multiple: Annotated[int | None, typer.Option(help="Round ranks up to a multiple of this "
+                                                 f"{_default('multiple')}.")] = None,
+    min_rank: Annotated[int | None, typer.Option(help=f"Smallest rank of any head {_default('min_rank')}.")] = None,
+    v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K "
+                                                  f"[{V_SCALES['rank']:g}; bits: {V_SCALES['bits']:g}].")] = None,
+    allocation: Annotated[str | None, typer.Option(help="eq6 (one rate, the papers') or sensitivity (per-layer "
+                                                   f"rates from measured costs) {_default('allocation')}.")] = None,
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
-                                                 "unfavourable side [1].")] = None,
-    format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks, default) or bits (each "
-                                               "kept dim stored at 2–16 bits; transformers runtime only).")] = None,
+                                                 f"unfavourable side {_default('margin')}.")] = None,
+    format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks) or bits (each kept dim "
+                                               "stored at 2–16 bits; transformers runtime only) "
+                                               f"{_default('format')}.")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
     passkey: Annotated[int | None, typer.Option(help="Choose the most compressed passing point that retrieves as many "
-                                                "pass keys in prompts of this many tokens as the original [4096]; "
-                                                "0: skip (short contexts only).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32 (default), "
-                                              "bfloat16 or float16; the written weights keep the source's "
+                                                "pass keys in prompts of this many tokens as the original "
+                                                f"{_default('passkey')}; 0: skip (short contexts only).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32, bfloat16 or "
+                                              f"float16 {_default('dtype')}; the written weights keep the source's "
                                               "dtype.")] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
@@ -101,10 +116,10 @@ def export(
     from kvfold.report import export_summary
 
     with user_errors():
-        options = api.load_recipe(recipe, dict(
+        options = api.load_recipe(recipe, RecipeOverrides(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
-            metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin,
-            allocation=allocation, format=format, context=context, dtype=dtype, passkey=passkey))
+            metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
+            format=format, context=context, dtype=dtype, passkey=passkey))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))

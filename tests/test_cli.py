@@ -77,53 +77,45 @@ def unsupported_model(tmp_path):
     return d
 
 
-@pytest.mark.parametrize(
-    ("case", "pattern"),
-    [
-        ("missing", "does not exist"),
-        ("not_a_model", "not a HF model folder"),
-        ("unsupported", "unsupported architecture 'FooForCausalLM'"),
-        ("tokens0", "--tokens must be at least 1"),
-        ("empty_text", "is empty"),
-        ("missing_text", "text file"),
-        ("exists", "already exists; pass --force"),
-        ("bad_prune", "--prune must be in [0, 1)"),
-        ("bad_dtype", "--dtype must be one of"),
-        ("text_with_random", "--text is only used with --source text"),
-        ("kmeans_too_big", "--kmeans 100000 exceeds"),
-        ("no_tokenizer", "has no usable tokenizer"),
-    ],
-)
-def test_bad_input_one_line_exit_2_no_output(case, pattern, tiny_dirs, tmp_path, unsupported_model):
-    model, out, extra = tiny_dirs[LLAMA], tmp_path / "calib", []
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n\n  \n")
-    if case == "missing":
-        model = tmp_path / "nope"
-    elif case == "not_a_model":
-        model = tmp_path
-    elif case == "unsupported":
-        model = unsupported_model
-    elif case == "tokens0":
-        extra = ["--tokens", 0]
-    elif case == "empty_text":
-        extra = ["--text", empty]
-    elif case == "missing_text":
-        extra = ["--text", tmp_path / "none.txt"]
-    elif case == "exists":
+def _no_tokenizer(tiny_dirs, tmp_path) -> Path:
+    model = tmp_path / "notok"
+    shutil.copytree(tiny_dirs[LLAMA], model, ignore=shutil.ignore_patterns("tokenizer*"))
+    return model
+
+
+def _empty_text(tmp_path) -> Path:
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    return tmp_path / "empty.txt"
+
+
+# case -> (the model given: a function of (tiny_dirs, tmp_path, unsupported_model), extra flags: a function of
+# tmp_path, the expected message). The output folder is tmp_path / "calib"; "exists" makes it first.
+_LLAMA_DIR = lambda dirs, tmp, foo: dirs[LLAMA]  # noqa: E731
+BAD_CALIBRATE = {
+    "missing": (lambda dirs, tmp, foo: tmp / "nope", lambda tmp: [], "does not exist"),
+    "not_a_model": (lambda dirs, tmp, foo: tmp, lambda tmp: [], "not a HF model folder"),
+    "unsupported": (lambda dirs, tmp, foo: foo, lambda tmp: [], "unsupported architecture 'FooForCausalLM'"),
+    "tokens0": (_LLAMA_DIR, lambda tmp: ["--tokens", 0], "--tokens must be at least 1"),
+    "empty_text": (_LLAMA_DIR, lambda tmp: ["--text", _empty_text(tmp)], "is empty"),
+    "missing_text": (_LLAMA_DIR, lambda tmp: ["--text", tmp / "none.txt"], "text file"),
+    "exists": (_LLAMA_DIR, lambda tmp: [], "already exists; pass --force"),
+    "bad_prune": (_LLAMA_DIR, lambda tmp: ["--prune", 1.0], "--prune must be in [0, 1)"),
+    "bad_dtype": (_LLAMA_DIR, lambda tmp: ["--dtype", "float8"], "--dtype must be one of"),
+    "text_with_random": (_LLAMA_DIR, lambda tmp: ["--source", "random", "--text", "wiki:calib"],
+                         "--text is only used with --source text"),
+    "kmeans_too_big": (_LLAMA_DIR, lambda tmp: ["--kmeans", 100000, "--tokens", 64], "--kmeans 100000 exceeds"),
+    "no_tokenizer": (lambda dirs, tmp, foo: _no_tokenizer(dirs, tmp), lambda tmp: ["--source", "text"],
+                     "has no usable tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALIBRATE))
+def test_bad_input_one_line_exit_2_no_output(case, tiny_dirs, tmp_path, unsupported_model):
+    model_of, extra_of, pattern = BAD_CALIBRATE[case]
+    out = tmp_path / "calib"
+    if case == "exists":
         out.mkdir()
-    elif case == "bad_prune":
-        extra = ["--prune", 1.0]
-    elif case == "bad_dtype":
-        extra = ["--dtype", "float8"]
-    elif case == "text_with_random":
-        extra = ["--source", "random", "--text", "wiki:calib"]
-    elif case == "kmeans_too_big":
-        extra = ["--kmeans", 100000, "--tokens", 64]
-    elif case == "no_tokenizer":
-        model, extra = tmp_path / "notok", ["--source", "text"]
-        shutil.copytree(tiny_dirs[LLAMA], model, ignore=shutil.ignore_patterns("tokenizer*"))
-    result = run("calibrate", model, "-o", out, *extra)
+    result = run("calibrate", model_of(tiny_dirs, tmp_path, unsupported_model), "-o", out, *extra_of(tmp_path))
     assert_user_error(result, pattern, None if case == "exists" else out)
     if case == "exists":
         assert list(out.iterdir()) == []

@@ -215,7 +215,7 @@ def test_reuse_curve_evaluates_nothing(setup, tmp_path, monkeypatch):
     def no_evaluation(*args, **kwargs):
         raise AssertionError("--reuse-curve must not evaluate")
 
-    monkeypatch.setattr("kvfold.export.Evaluator", no_evaluation)
+    monkeypatch.setattr("kvfold.plan.planner.Evaluator", no_evaluation)
     # a stricter target that the curve can answer (accuracy ≤ 1)
     target = sorted(p.top1_ratio for p in prev.curve if p.top1_ratio <= 1)[-1]
     result = _export(setup, second, "--accuracy", target, "--metric", "top1", "--reuse-curve", first)
@@ -278,3 +278,31 @@ def test_the_chosen_points_pass_keys_are_recorded(setup, tmp_path):
     assert Manifest.load(tmp_path / "b").passkey is None
     assert_user_error(_export(setup, tmp_path / "c", "--accuracy", 0.8, "--passkey", 100),
                       "passkey must be 0 (skip) or at least 256 tokens", tmp_path / "c")
+
+
+def test_export_help_reads_its_defaults_from_the_recipe():
+    """The defaults are defined once, in plan/recipe.py; export's help shows them from there."""
+    from kvfold.plan.recipe import Recipe
+
+    shown = run("export", "--help")
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.stdout.replace("│", " ").split())
+    for option, words in [("eval_tokens", "score on"), ("multiple", "multiple of this"), ("min_rank", "any head"),
+                          ("passkey", "as the original"), ("method", "(the papers')")]:
+        assert f"{words} [{Recipe.model_fields[option].default}]" in text, option
+    assert f"unfavourable side [{Recipe.model_fields['margin'].default:g}]" in text
+
+
+def test_reuse_keeps_the_recorded_layer_scales(setup, tmp_path, monkeypatch):
+    """A sensitivity export records its per-layer scales (plan/sensitivity.LayerScales, Manifest.layer_scales);
+    a reused curve plans with those very scales, measuring nothing, and records them again."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert _export(setup, first, "--accuracy", 0.5, "--allocation", "sensitivity").exit_code == 0
+    prev = Manifest.load(first)
+    weights = prev.layer_scales()
+    assert weights is not None and len(weights.k) == len(weights.cost_v) == 2 and list(weights.k) == prev.layer_scale_k
+    monkeypatch.setattr("kvfold.plan.planner.Evaluator", lambda *a, **k: pytest.fail("--reuse-curve must not evaluate"))
+    result = _export(setup, second, "--accuracy", 0.5, "--allocation", "sensitivity", "--reuse-curve", first)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(second)
+    assert m.layer_scales() == weights and (m.chosen, m.d_k, m.d_v) == (prev.chosen, prev.d_k, prev.d_v)

@@ -185,13 +185,13 @@ def test_the_kv_bytes_expectation_catches_a_wrong_rank(exported):
 
 def test_held_out_text_checks_the_exports_target_within_two_standard_errors(exported):
     from kvfold.checkpoint.manifest import Manifest
-    from kvfold.plan.search import CurvePoint
+    from kvfold.plan.point import Point
     from kvfold.verify.serving import _fidelity
 
     m = Manifest.load(exported[0]).model_copy(update={"metric": "joint", "target_level": 0.99, "margin": 1.0})
 
     def held_out(top1, ppl):
-        return _fidelity(m, "pydoc:eval", 16000, CurvePoint(0, 0, 0.1, top1, ppl, top1_se=0.003, ppl_se=0.004,
+        return _fidelity(m, "pydoc:eval", 16000, Point(0, 0, 0.1, top1, ppl, top1_se=0.003, ppl_se=0.004,
                                                              kl=0.01))
 
     assert held_out(0.992, 1.009).ok and held_out(0.985, 1.0).ok  # 0.985 + 2·0.003 ≥ 0.99

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
+import torch
+import transformers
 from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import nn
 
+import kvfold
+from kvfold.calib.artifact import CalibHeader
 from kvfold.errors import KVFoldError
 from kvfold.plan.criteria import Target
-from kvfold_runtime import LEGACY_BAND_SCALE, MANIFEST, SCHEMA_VERSION, ConfigBlock, check_schema
+from kvfold.plan.export_plan import Baseline, ExportPlan, PreviousExport
+from kvfold.plan.point import Point
+from kvfold.plan.sensitivity import LayerScales
+from kvfold.sources.models import ModelRef
+from kvfold_runtime import K_POST, LEGACY_BAND_SCALE, MANIFEST, Q_POST, SCHEMA_VERSION, ConfigBlock, check_schema
 
-__all__ = ["Manifest"]
+__all__ = ["Calibration", "Manifest", "SourceModel"]
 
 # 1.1: allocation and per-layer rate multipliers. 1.2: perplexity ratio is ppl/ppl₀ (was ppl₀/ppl), points
 # carry agreement, KL and every standard error, the target is stored as metric + level + margin. 1.3: a point
@@ -21,7 +29,8 @@ __all__ = ["Manifest"]
 # query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
 # (one-byte log8; before, float16).
-# Older files still load: `_upgrade` converts them. The version and the file name are the runtime's
+# Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
+# one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
 # (kvfold_runtime.format): kvfold writes what every runtime reads.
 
 
@@ -35,6 +44,11 @@ class SourceModel(_Frozen):
     architecture: str
     weights_sha256: str
 
+    @classmethod
+    def of(cls, ref: ModelRef, weights_sha256: str) -> SourceModel:
+        return cls(spec=ref.spec, path=str(ref.path.resolve()), architecture=ref.architecture,
+                   weights_sha256=weights_sha256)
+
 
 class Calibration(_Frozen):
     source: str
@@ -43,22 +57,10 @@ class Calibration(_Frozen):
     seed: int
     stats_sha256: str
 
-
-class Point(_Frozen):
-    """A scored candidate (plan/search.py: CurvePoint); NaN where a figure was not measured."""
-    r_k: float
-    r_v: float
-    compression: float
-    top1_ratio: float
-    ppl_ratio: float  # ppl / ppl₀ (1.0 = the original; higher is worse)
-    top1_se: float  # standard errors, paired over the evaluation windows
-    ppl_se: float = math.nan
-    agreement: float = math.nan  # top-1 agreement with the original
-    agreement_se: float = math.nan
-    kl: float = math.nan  # mean KL(original ‖ compressed) per token, nats
-    kl_se: float = math.nan
-    kl_p99: float = math.nan
-    parts: list[Point] = []  # on a mixture of texts: the same figures per text (1.3; none before)
+    @classmethod
+    def of(cls, header: CalibHeader) -> Calibration:
+        return cls(source=header.options.source, text=header.options.text, tokens=header.tokens,
+                   seed=header.options.seed, stats_sha256=header.stats_sha256)
 
 
 def _upgrade(raw: dict) -> dict:
@@ -121,10 +123,50 @@ class Manifest(_Frozen):
     v_bits: list[list[list[int]]] | None = None
     # bits format: each band's per-token scale format (kvfold_runtime.bands.SCALES); before 1.6 always float16
     band_scale: str = LEGACY_BAND_SCALE
-    chosen: Point
+    chosen: Point  # plan/point.py
     curve: list[Point]
     extra_tensors: list[str]  # post-RoPE projections (RoPE models): names in the safetensors files
     files: dict[str, str] = {}  # file name -> sha256, every file of the directory but this one
+
+    @classmethod
+    def from_plan(cls, plan: ExportPlan, baked: nn.Module, *, source: SourceModel,
+                  calibration: Calibration) -> Manifest:
+        """The manifest of `plan` baked into `baked` (rewrite.bake), before write_checkpoint adds the files."""
+        bits = plan.bits
+        k_bits, v_bits = bits.kept_bits() if bits else (None, None)
+        multiple, min_rank = plan.rounding
+        return cls(
+            kvfold_version=kvfold.__version__, torch_version=torch.__version__,
+            transformers_version=transformers.__version__, source=source, calibration=calibration,
+            method=plan.method, metric=plan.metric, **_target_fields(plan.target, plan.ratio),
+            eval_text=plan.baseline.eval_text, eval_tokens=plan.baseline.eval_tokens,
+            baseline_top1=plan.baseline.top1, baseline_ppl=plan.baseline.ppl,
+            rounding_multiple=multiple, min_rank=min_rank, allocation=plan.allocation,
+            **_layer_fields(plan.scales), positions=plan.positions, search_dtype=plan.search_dtype,
+            passkey=plan.passkey, head_dim=plan.layout.head_dim, num_heads=plan.layout.num_heads,
+            num_kv_heads=plan.layout.num_kv_heads, d_k=plan.ranks.d_k, d_v=plan.ranks.d_v, k_bits=k_bits,
+            v_bits=v_bits, band_scale=bits.scale if bits else LEGACY_BAND_SCALE, chosen=plan.chosen,
+            curve=list(plan.curve),
+            extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
+        )
+
+    def previous_export(self, path: Path) -> PreviousExport:
+        """This export as a later one reuses its curve (--reuse-curve, plan/reuse.py); `path`: its folder."""
+        bits = self.k_bits is not None
+        return PreviousExport(
+            path=Path(path), weights_sha256=self.source.weights_sha256, stats_sha256=self.calibration.stats_sha256,
+            method=self.method, rounding=(self.rounding_multiple, self.min_rank), allocation=self.allocation,
+            format="bits" if bits else "rank", band_scale=self.band_scale if bits else None,
+            search_dtype=self.search_dtype, positions=self.positions, scales=self.layer_scales(),
+            curve=tuple(self.curve), passkey=self.passkey,
+            baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl))
+
+    def layer_scales(self) -> LayerScales | None:
+        """The per-layer rate multipliers and the costs behind them (sensitivity allocation); None: eq6."""
+        if not self.layer_scale_k:
+            return None
+        return LayerScales(tuple(self.layer_scale_k), tuple(self.layer_scale_v), tuple(self.layer_cost_k),
+                            tuple(self.layer_cost_v))
 
     def config_block(self) -> ConfigBlock:
         """The `kvfold` block of config.json: what the runtime needs to build the model and its cache."""
@@ -159,3 +201,18 @@ class Manifest(_Frozen):
         if not path.is_file():
             raise KVFoldError(f"'{directory}' is not a kvfold export (no {MANIFEST})")
         return cls.from_json(path.read_text(), str(path))
+
+
+def _target_fields(target: Target | None, ratio: float | None) -> dict:
+    """What the user asked for: an accuracy target (its words, level and margin), or a compression."""
+    if target is None:
+        return dict(target=f"compression>={ratio}", target_level=None, margin=0.0)
+    return dict(target=target.describe(), target_level=target.level, margin=target.margin)
+
+
+def _layer_fields(scales: LayerScales | None) -> dict:
+    """The per-layer lists of `scales` (Manifest.layer_scales reads them back); none for eq6."""
+    if scales is None:
+        return {}
+    return dict(layer_scale_k=list(scales.k), layer_scale_v=list(scales.v), layer_cost_k=list(scales.cost_k),
+                layer_cost_v=list(scales.cost_v))

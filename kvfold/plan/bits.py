@@ -29,6 +29,7 @@ import torch
 
 from kvfold.factors import LayerBasis, LayerFactors
 from kvfold.plan.ranks import RankPlan, factors_for
+from kvfold.plan.recipe import V_SCALE  # θ_v / θ_k by default (measured there)
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
 __all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "dim_bits", "plan_bits",
@@ -38,12 +39,6 @@ __all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors"
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
 # V_SCALE): float16 scales at 0.297 of fp16's bytes gave KL 0.057, log8 at 0.2775 gave KL 0.043.
 SCALE = DEFAULT_BAND_SCALE
-# θ_v = V_SCALE · θ_k by default: the proxy above underprices keys' rounding error (it passes through the softmax),
-# so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096 wiki:eval
-# tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio 1.075, KL 0.084; 4 → 0.991,
-# 1.047, 0.043; 16 → 0.984, 1.032, 0.030; 64 → 0.997, 1.033, 0.025 (keys 5.1 bits, values 3.9). At 0.284:
-# V_SCALE 64 → KL 0.074 (1: 0.157), 256 → 0.106.
-V_SCALE = 64.0
 
 
 @dataclass(frozen=True)

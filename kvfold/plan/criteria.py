@@ -30,7 +30,7 @@ __all__ = ["Bound", "Target"]
 
 @dataclass(frozen=True)
 class Bound:
-    name: str  # a field of CurvePoint: top1_ratio, ppl_ratio, agreement, kl
+    name: str  # a field of Point (plan/point.py): top1_ratio, ppl_ratio, agreement, kl
     se: str  # the field holding its standard error
     limit: float
     upper: bool  # True: value ≤ limit; False: value ≥ limit

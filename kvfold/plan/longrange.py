@@ -30,7 +30,7 @@ from kvfold.errors import KVFoldError
 from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.passkey import PasskeyPrompt, passkey_hits
 from kvfold.plan.criteria import Target
-from kvfold.plan.search import CurvePoint
+from kvfold.plan.point import Point
 
 __all__ = ["NUDGES", "keep_passkeys"]
 
@@ -39,11 +39,11 @@ REFINE_GAP = 0.01  # compression p between the point kept and the next rejected 
 REFINE_STEPS = 3
 
 
-def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPrompt], curve: list[CurvePoint],
-                  target: Target, patches_for: Callable[[CurvePoint], list[dict[int, AttentionPatch]]],
+def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPrompt], curve: list[Point],
+                  target: Target, patches_for: Callable[[Point], list[dict[int, AttentionPatch]]],
                   log: Callable[[str], None] = lambda line: None,
-                  between: Callable[[CurvePoint, CurvePoint], CurvePoint] | None = None
-                  ) -> tuple[CurvePoint, dict, list[CurvePoint]]:
+                  between: Callable[[Point, Point], Point] | None = None
+                  ) -> tuple[Point, dict, list[Point]]:
     """The most compressed point of `curve` that meets `target` and retrieves as many keys as `model`
     itself under every patch set `patches_for` gives for it (one per rounding of its cache); a record of
     the check for the manifest (the points rejected on the way, with the fewest keys a rounding retrieved);
@@ -53,7 +53,7 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
 
     retrieved: dict[float, int] = {}  # compression -> the fewest keys its roundings retrieved
 
-    def keeps(point: CurvePoint) -> bool:
+    def keeps(point: Point) -> bool:
         counts = []
         for patches in patches_for(point) if point.compression > 0 else [{}]:
             with patched(model, adapter, patches):
@@ -69,12 +69,12 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
         return got >= want
 
     passing = sorted((p for p in curve if target.met(p)), key=lambda p: (-p.compression, -target.slack(p)))
-    rejected: CurvePoint | None = None
+    rejected: Point | None = None
     for point in passing:
         if point.compression in retrieved:
             continue
         if keeps(point):
-            added: list[CurvePoint] = []
+            added: list[Point] = []
             if rejected is not None:
                 point, added = _narrow(point, rejected, target, keeps, between, log)
             return point, {**record, "retrieved": retrieved[point.compression], "compression": point.compression,
@@ -86,12 +86,12 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
                       "accuracy, or pass --passkey 0 if the model will only serve short contexts")
 
 
-def _narrow(kept: CurvePoint, rejected: CurvePoint, target: Target, keeps: Callable[[CurvePoint], bool],
-            between: Callable[[CurvePoint, CurvePoint], CurvePoint] | None,
-            log: Callable[[str], None]) -> tuple[CurvePoint, list[CurvePoint]]:
+def _narrow(kept: Point, rejected: Point, target: Target, keeps: Callable[[Point], bool],
+            between: Callable[[Point, Point], Point] | None,
+            log: Callable[[str], None]) -> tuple[Point, list[Point]]:
     """The most compressed point kept after scoring and checking points between the kept and the rejected
     one while they are far apart, and the points scored."""
-    added: list[CurvePoint] = []
+    added: list[Point] = []
     for _ in range(REFINE_STEPS if between is not None else 0):
         if rejected.compression - kept.compression <= REFINE_GAP:
             break

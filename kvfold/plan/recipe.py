@@ -1,21 +1,33 @@
 """Export options as a pydantic model; a YAML recipe is the same model on disk.
 
-`Recipe.model_validate(yaml.safe_load(text))`; unknown keys are errors, so a typo never passes silently.
+`Recipe.model_validate(yaml.safe_load(text))`; unknown keys are errors, so a typo never passes silently. Flags
+given on the command line are a `RecipeOverrides` (every field, None where not given) laid over the file
+(`load_recipe`). The defaults are defined here only: the CLI's help reads them from `Recipe.model_fields`.
+Torch-free, so that `kvfold export --help` answers at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from kvfold.errors import KVFoldError
-from kvfold.plan.bits import V_SCALE
 from kvfold.plan.criteria import Target
 
-__all__ = ["Recipe", "load_recipe"]
+__all__ = ["DEFAULT_METRIC", "V_SCALE", "V_SCALES", "Recipe", "RecipeOverrides", "load_recipe"]
+
+DEFAULT_METRIC = "joint"  # with --max-kl: kl
+# θ_v = V_SCALE · θ_k by default in the bits format (plan/bits.py): the proxy there underprices keys' rounding error
+# (it passes through the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2
+# (2026-11-25, 4,096 wiki:eval tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio
+# 1.075, KL 0.084; 4 → 0.991, 1.047, 0.043; 16 → 0.984, 1.032, 0.030; 64 → 0.997, 1.033, 0.025 (keys 5.1 bits,
+# values 3.9). At 0.284: V_SCALE 64 → KL 0.074 (1: 0.157), 256 → 0.106.
+V_SCALE = 64.0
+V_SCALES = {"rank": 1.0, "bits": V_SCALE}  # the default v_scale of each format
 
 
 class Recipe(BaseModel):
@@ -33,8 +45,8 @@ class Recipe(BaseModel):
     eval_tokens: int = Field(default=16384, ge=1)  # ±0.4% standard error on SmolLM2 top-1 ratio
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
-    # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: 1 for ranks, plan.bits.V_SCALE
-    # for bits (keys need more bits than one θ gives them)
+    # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's V_SCALES (bits:
+    # keys need more bits than one θ gives them)
     v_scale: float = Field(default=None, gt=0.0)  # type: ignore[assignment]  # set below
     # eq6: one r for every head, as in the papers. sensitivity: per-layer multipliers of r from costs measured on
     # 512-token windows (plan/sensitivity.py), which cut layers that long-range retrieval needs: with the pass-key
@@ -68,9 +80,9 @@ class Recipe(BaseModel):
     @classmethod
     def _default_metric(cls, data):
         if isinstance(data, dict) and data.get("metric") is None:
-            data = {**data, "metric": "kl" if data.get("max_kl") is not None else "joint"}
+            data = {**data, "metric": "kl" if data.get("max_kl") is not None else DEFAULT_METRIC}
         if isinstance(data, dict) and data.get("v_scale") is None:
-            data = {**data, "v_scale": V_SCALE if data.get("format") == "bits" else 1.0}
+            data = {**data, "v_scale": V_SCALES["bits" if data.get("format") == "bits" else "rank"]}
         return data
 
     @model_validator(mode="after")
@@ -91,10 +103,30 @@ class Recipe(BaseModel):
             return None
         return Target(self.metric, self.max_kl if self.metric == "kl" else self.accuracy, self.margin)
 
+    @property
+    def rounding(self) -> tuple[int, int]:
+        """(multiple, min_rank) the ranks are rounded with; the bits format's ranks follow from its bits: (1, 0)."""
+        return (1, 0) if self.format == "bits" else (self.multiple, self.min_rank)
 
-def load_recipe(path: Path, overrides: dict) -> Recipe:
-    """Recipe from a YAML file (if given) with explicitly passed options on top; errors in one line."""
+
+def _as_given(annotation):
+    """A Recipe field's type as a flag gives it: optional, and a choice (Literal) any string, which Recipe checks."""
+    return (str if get_origin(annotation) is Literal else annotation) | None
+
+
+# Recipe fields given explicitly (the command line's flags), None where not given: the file's value or the default
+# then. Derived from Recipe, so each option is declared once; Recipe checks bounds and choices (load_recipe), and
+# its messages name the flag.
+RecipeOverrides = create_model(
+    "RecipeOverrides", __config__=ConfigDict(frozen=True, extra="forbid"),
+    **{name: (_as_given(field.annotation), None) for name, field in Recipe.model_fields.items()})
+
+
+def load_recipe(path: Path | None, overrides: RecipeOverrides | Mapping | None = None) -> Recipe:
+    """Recipe from a YAML file (if given) with explicitly passed options on top (a RecipeOverrides, or a mapping
+    of the same fields); errors in one line."""
     data: dict = {}
+    given: dict = {}
     if path is not None:
         if not Path(path).is_file():
             raise KVFoldError(f"recipe '{path}' does not exist")
@@ -104,12 +136,14 @@ def load_recipe(path: Path, overrides: dict) -> Recipe:
             raise KVFoldError(f"recipe '{path}' is not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise KVFoldError(f"recipe '{path}' must be a mapping of option: value")
-        if {"accuracy", "ratio"} & {k for k, v in overrides.items() if v is not None}:
+    try:
+        if overrides is not None:
+            given = (overrides if isinstance(overrides, RecipeOverrides) else RecipeOverrides.model_validate(
+                dict(overrides))).model_dump(exclude_none=True)
+        if {"accuracy", "ratio"} & set(given):  # a target flag replaces the file's target
             data.pop("accuracy", None)
             data.pop("ratio", None)
-    data |= {k: v for k, v in overrides.items() if v is not None}
-    try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(data | given)
     except ValidationError as e:
         err = e.errors()[0]
         flag = "--" + ".".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "options"

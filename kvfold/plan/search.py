@@ -10,48 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvfold.errors import KVFoldError
-from kvfold.measure.evaluate import Metrics
+from kvfold.measure.metrics import Metrics
 from kvfold.plan.criteria import Target
+from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankPlan, RankRule
 
-__all__ = ["CurvePoint", "best_point", "search_rate"]
-
-
-@dataclass(frozen=True)
-class CurvePoint:
-    r_k: float
-    r_v: float
-    compression: float
-    top1_ratio: float
-    ppl_ratio: float  # ppl / ppl₀: 1.0 = the original, higher is worse
-    top1_se: float  # standard errors, paired over the evaluation windows
-    ppl_se: float = math.nan
-    agreement: float = math.nan  # top-1 agreement with the original
-    agreement_se: float = math.nan
-    kl: float = math.nan  # mean KL(original ‖ compressed) per token, nats
-    kl_se: float = math.nan
-    kl_p99: float = math.nan
-    # Scored on a mixture of texts (e.g. wiki:dev+pydoc:dev): the same figures on each text alone, in the
-    # mixture's order. The target must hold on every one of them (plan/criteria.py).
-    parts: tuple[CurvePoint, ...] = ()
-
-    @classmethod
-    def measured(cls, r_k: float, r_v: float, compression: float, cand: Metrics, base: Metrics) -> CurvePoint:
-        parts = tuple(cls.measured(r_k, r_v, compression, cand.part(i), base.part(i)) for i in cand.parts)
-        return cls(r_k, r_v, compression, cand.ratio(base, "top1"), cand.ratio(base, "ppl"), cand.top1_ratio_se(base),
-                   cand.ppl_ratio_se(base), cand.agreement, cand.agreement_se(), cand.kl, cand.kl_se(), cand.kl_p99,
-                   parts)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> CurvePoint:
-        """From the manifest's form (parts as a list of dicts)."""
-        return cls(**{**raw, "parts": tuple(cls.from_dict(p) for p in raw.get("parts", ()))})
-
-    def to_dict(self) -> dict:
-        return {**vars(self), "parts": [p.to_dict() for p in self.parts]}
+__all__ = ["best_point", "search_rate"]
 
 
 def search_rate(
@@ -62,18 +29,18 @@ def search_rate(
     r_lo: float = 1e-3,
     r_hi: float = 0.5,
     steps: int = 8,
-    progress: Callable[[CurvePoint], None] | None = None,
-) -> tuple[CurvePoint, list[CurvePoint]]:
-    seen: dict[tuple, CurvePoint] = {}
-    curve: list[CurvePoint] = []
+    progress: Callable[[Point], None] | None = None,
+) -> tuple[Point, list[Point]]:
+    seen: dict[tuple, Point] = {}
+    curve: list[Point] = []
 
-    def point(r: float) -> CurvePoint:
+    def point(r: float) -> Point:
         rr = rule(r)
         ranks = plan(rr)
         key = ranks.key()
         if key not in seen:
             cand, base = score(ranks)
-            seen[key] = CurvePoint.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)
+            seen[key] = Point.measured(rr.r_k, rr.r_v, ranks.compression, cand, base)
             if progress is not None:
                 progress(seen[key])
         curve.append(replace(seen[key], r_k=rr.r_k, r_v=rr.r_v))
@@ -97,7 +64,7 @@ def search_rate(
     return best_point(curve, target), sorted(curve, key=lambda p: (p.r_k, p.r_v))
 
 
-def best_point(curve: list[CurvePoint], target: Target, where: str = "") -> CurvePoint:
+def best_point(curve: list[Point], target: Target, where: str = "") -> Point:
     """The most compressed point meeting the target (ties: the more accurate)."""
     if target.needs_se() and any(math.isnan(getattr(q, b.se)) for p in curve for q in (p, *p.parts)
                                  for b in target.bounds):

@@ -20,7 +20,7 @@ from kvfold.factors import LayerBasis
 from kvfold.measure.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
 
-__all__ = ["PROBE_RATE", "LayerWeights", "measure_weights"]
+__all__ = ["PROBE_RATE", "LayerScales", "measure_scales"]
 
 PROBE_RATE = 0.15  # removes ~1/3 of a layer's key dims and ~1/4 of its value dims on SmolLM2
 FLOOR = 2e-5  # NLL per dim: below this a cost is noise (costs can even measure negative)
@@ -29,21 +29,23 @@ CLIP = 8.0
 
 
 @dataclass(frozen=True)
-class LayerWeights:
+class LayerScales:
+    """Per-layer multipliers and the costs behind them; the manifest stores them as layer_scale_k/v and
+    layer_cost_k/v (Manifest.from_plan, Manifest.layer_scales)."""
     k: tuple[float, ...]  # multiplier of r_k per layer
     v: tuple[float, ...]
     cost_k: tuple[float, ...]  # measured NLL increase per removed dim, per layer
     cost_v: tuple[float, ...]
 
 
-def _weights(costs: list[float]) -> tuple[float, ...]:
+def _scales(costs: list[float]) -> tuple[float, ...]:
     c = [max(x, 0.0) + FLOOR for x in costs]
     mean = math.exp(sum(map(math.log, c)) / len(c))
     return tuple(min(CLIP, max(1 / CLIP, (mean / x) ** ALPHA)) for x in c)
 
 
-def measure_weights(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int,
-                    progress: Callable[[str], None] | None = None) -> LayerWeights:
+def measure_scales(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int,
+                    progress: Callable[[str], None] | None = None) -> LayerScales:
     """2 × layers evaluations of `evaluator`'s windows (use a few thousand tokens); `progress` gets a line
     after each tenth of them, with the time left at the pace so far."""
     d = bases[0].qk_spectrum.shape[-1]
@@ -65,4 +67,4 @@ def measure_weights(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int
             if progress is not None and done % max(1, total // 10) == 0 and done < total:
                 left = (time.monotonic() - t0) / done * (total - done)
                 progress(f"sensitivity probes {done}/{total}, about {left:.0f} s left")
-    return LayerWeights(_weights(costs["k"]), _weights(costs["v"]), tuple(costs["k"]), tuple(costs["v"]))
+    return LayerScales(_scales(costs["k"]), _scales(costs["v"]), tuple(costs["k"]), tuple(costs["v"]))

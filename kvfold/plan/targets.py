@@ -11,8 +11,9 @@ from kvfold.measure.evaluate import Evaluator
 from kvfold.measure.stored import banded, compressed
 from kvfold.plan.bits import BitPlan, BitRule, bit_factors, plan_bits
 from kvfold.plan.criteria import Target
+from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
-from kvfold.plan.search import CurvePoint, search_rate
+from kvfold.plan.search import search_rate
 
 __all__ = ["bit_patches", "for_accuracy", "for_accuracy_bits", "for_compression", "measure"]
 
@@ -34,7 +35,7 @@ def _bit_scorer(bases: list[LayerBasis], evaluator: Evaluator):
     return score
 
 
-def measure(bases: list[LayerBasis], evaluator: Evaluator, rule: RankRule | BitRule) -> CurvePoint:
+def measure(bases: list[LayerBasis], evaluator: Evaluator, rule: RankRule | BitRule) -> Point:
     """One point scored as the searches score their candidates: a rank rule's ranks, or a bit rule's cache."""
     if isinstance(rule, BitRule):
         plan = plan_bits(bases, rule)
@@ -42,16 +43,16 @@ def measure(bases: list[LayerBasis], evaluator: Evaluator, rule: RankRule | BitR
     else:
         plan = plan_ranks(bases, rule)
         cand, base = _scorer(bases, evaluator)(plan)
-    return CurvePoint.measured(rule.r_k, rule.r_v, plan.compression, cand, base)
+    return Point.measured(rule.r_k, rule.r_v, plan.compression, cand, base)
 
 
 def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], RankRule],
-                 progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
+                 progress=None) -> tuple[Point, list[Point]]:
     return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, rule, progress=progress)
 
 
 def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], BitRule],
-                      progress=None) -> tuple[CurvePoint, list[CurvePoint]]:
+                      progress=None) -> tuple[Point, list[Point]]:
     """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
     on the cache it would store (band codes and scales, measure/stored.py)."""
     # θ from 1e-7 on the side with the larger θ (about 8 bits for a head's average dim: int8-like) to θ_k = 0.1
@@ -63,7 +64,7 @@ def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callabl
 
 
 def for_compression(bases, evaluator: Evaluator, target: float,
-                    rule: Callable[[float], RankRule]) -> tuple[CurvePoint, list[CurvePoint]]:
+                    rule: Callable[[float], RankRule]) -> tuple[Point, list[Point]]:
     """Smallest removal rate whose ranks reach compression ≥ target (no scoring needed to find it),
     then score that one point."""
     a, b = math.log(1e-4), math.log(1.0)

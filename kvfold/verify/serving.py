@@ -14,7 +14,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.measure.evaluate import Reference, score_model
 from kvfold.measure.passkey import passkey_hits, passkey_length, passkey_prompts, passkey_summary
-from kvfold.plan.search import CurvePoint
+from kvfold.plan.point import Point
 from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
@@ -105,7 +105,7 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
         reference = Reference([], [])
         batch = max(1, 2048 // context)  # the logits of 2,048 tokens at a time (400 MB at SmolLM2's vocabulary)
         base = score_model(original, windows, batch, keep=reference)
-        point = CurvePoint.measured(0.0, 0.0, m.chosen.compression,
+        point = Point.measured(0.0, 0.0, m.chosen.compression,
                                     score_model(served, windows, batch, against=reference), base)
         report.texts.append({"eval_text": text, "context": context, "tokens": base.tokens, "baseline_top1": base.top1,
                              "baseline_ppl": base.ppl, **{k: v for k, v in asdict(point).items()
@@ -155,7 +155,7 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
         f"original {got['original']}/{n}" + (f"; {lost} the original retrieves are lost" if lost else "")))
 
 
-def _fidelity(m: Manifest, text: str, tokens: int, now: CurvePoint, same_windows: bool = True) -> Check:
+def _fidelity(m: Manifest, text: str, tokens: int, now: Point, same_windows: bool = True) -> Check:
     """Same text and windows as the search: the recorded figures again. Other text: the target holds (within
     HELD_OUT_SIGMAS standard errors); without a target, the recorded top-1 ratio within SIGMAS."""
     rec, target = m.chosen, m.accuracy_target()

@@ -7,7 +7,8 @@ from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.calib.tokens import random_sequences
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
-from kvfold.measure.evaluate import TOP_K, Evaluator, Metrics, Reference, _binned_kl, score_model
+from kvfold.measure.evaluate import TOP_K, Evaluator, Reference, _binned_kl, score_model
+from kvfold.measure.metrics import Metrics
 from tests.conftest import VOCAB, build_tiny
 from tests.factors.test_factors import tiny_stats
 

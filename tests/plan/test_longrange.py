@@ -10,7 +10,7 @@ from kvfold.hooks import AttentionPatch
 from kvfold.measure.passkey import PasskeyPrompt, passkey_prompts
 from kvfold.plan.criteria import Target
 from kvfold.plan.longrange import keep_passkeys
-from kvfold.plan.search import CurvePoint
+from kvfold.plan.point import Point
 from tests.conftest import build_tiny, tiny_tokenizer
 
 ARCH = "LlamaForCausalLM"
@@ -28,8 +28,8 @@ def _answered(model, prompts):
     return out
 
 
-def _point(p: float) -> CurvePoint:
-    return CurvePoint(0, 0, p, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0, ppl_se=0.0)
+def _point(p: float) -> Point:
+    return Point(0, 0, p, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0, ppl_se=0.0)
 
 
 def _setup(prompts: int):

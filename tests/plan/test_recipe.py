@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from kvfold.errors import KVFoldError
-from kvfold.plan.recipe import Recipe, load_recipe
+from kvfold.plan.recipe import Recipe, RecipeOverrides, load_recipe
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -22,9 +22,9 @@ def test_shipped_recipes_validate_and_round_trip(path):
 def test_flags_override_the_file(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("accuracy: 0.99\nmultiple: 16\n")
-    r = load_recipe(f, {"multiple": 8, "ratio": None, "method": None})
+    r = load_recipe(f, RecipeOverrides(multiple=8, ratio=None, method=None))
     assert (r.accuracy, r.multiple) == (0.99, 8)
-    r = load_recipe(f, {"ratio": 0.2})  # a target flag replaces the file's target
+    r = load_recipe(f, RecipeOverrides(ratio=0.2))  # a target flag replaces the file's target
     assert (r.accuracy, r.ratio) == (None, 0.2)
 
 
@@ -32,19 +32,32 @@ def test_unknown_keys_and_bad_yaml_are_one_line_errors(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("accuracy: 0.99\naccuracyy: 0.5\n")
     with pytest.raises(KVFoldError, match=r"--accuracyy: Extra inputs are not permitted"):
-        load_recipe(f, {})
+        load_recipe(f)
     f.write_text("accuracy: [0.99\n")
     with pytest.raises(KVFoldError, match="not valid YAML"):
-        load_recipe(f, {})
+        load_recipe(f)
 
 
 def test_the_default_target_is_joint_and_max_kl_chooses_the_kl_metric():
     r = Recipe(accuracy=0.99)
     assert (r.metric, r.margin) == ("joint", 1.0) and r.target().describe().startswith("top-1 ratio ≥ 0.99 and")
-    r = load_recipe(None, {"max_kl": 0.01})
+    r = load_recipe(None, RecipeOverrides(max_kl=0.01))
     assert r.metric == "kl" and r.target().level == 0.01 and r.target().describe() == "mean KL ≤ 0.01 (1 se)"
     assert Recipe(ratio=0.1).target() is None
     with pytest.raises(KVFoldError, match="the kl metric takes --max-kl"):
-        load_recipe(None, {"accuracy": 0.99, "metric": "kl"})
+        load_recipe(None, RecipeOverrides(accuracy=0.99, metric="kl"))
     with pytest.raises(KVFoldError, match="exactly one of accuracy, ratio or max_kl"):
-        load_recipe(None, {"accuracy": 0.99, "max_kl": 0.01})
+        load_recipe(None, RecipeOverrides(accuracy=0.99, max_kl=0.01))
+
+
+def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():
+    """The command line's overrides are every Recipe field, declared once (in Recipe); Recipe checks them, so
+    a bad choice names its flag. Python callers may pass a mapping of the same fields."""
+    assert set(RecipeOverrides.model_fields) == set(Recipe.model_fields)
+    assert RecipeOverrides().model_dump(exclude_none=True) == {}
+    with pytest.raises(KVFoldError, match="--method: Input should be 'aware' or 'zack'"):
+        load_recipe(None, RecipeOverrides(accuracy=0.9, method="magic"))
+    with pytest.raises(KVFoldError, match="--eval-tokens: Input should be a valid integer"):
+        load_recipe(None, {"accuracy": 0.9, "eval_tokens": "many"})
+    assert load_recipe(None, {"accuracy": 0.9, "eval_tokens": 512}) == Recipe(accuracy=0.9, eval_tokens=512)
+    assert Recipe(accuracy=0.9).rounding == (8, 8) and Recipe(accuracy=0.9, format="bits").rounding == (1, 0)

@@ -1,10 +1,13 @@
+import json
 import math
 
 import pytest
+from pydantic import TypeAdapter
 
 from kvfold.errors import KVFoldError
-from kvfold.measure.evaluate import Metrics
+from kvfold.measure.metrics import Metrics
 from kvfold.plan.criteria import Target
+from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankPlan, RankRule
 from kvfold.plan.search import search_rate
 
@@ -66,10 +69,8 @@ def test_the_joint_target_stops_where_perplexity_drifts_and_top1_does_not():
 
 
 def test_each_metric_bounds_its_own_figure():
-    from kvfold.plan.search import CurvePoint
-
-    p = CurvePoint(0, 0, 0.1, top1_ratio=0.995, ppl_ratio=1.02, top1_se=0.002, ppl_se=0.005, agreement=0.97,
-                   agreement_se=0.01, kl=0.02, kl_se=0.001)
+    p = Point(0, 0, 0.1, top1_ratio=0.995, ppl_ratio=1.02, top1_se=0.002, ppl_se=0.005, agreement=0.97,
+              agreement_se=0.01, kl=0.02, kl_se=0.001)
     assert Target("top1", 0.99).met(p) and not Target("top1", 0.99, margin=3).met(p)
     assert not Target("joint", 0.99).met(p) and Target("joint", 0.99).met(p, margin=-2)  # 1.02 − 2·0.005 ≤ 1.0101
     assert Target("ppl", 0.98).met(p) and not Target("agree", 0.98).met(p) and Target("agree", 0.98).met(p, -1)
@@ -79,16 +80,17 @@ def test_each_metric_bounds_its_own_figure():
 
 def test_on_a_mixture_the_target_holds_on_each_text_not_only_on_the_pool():
     """Four windows, texts 0 and 1 alternating: text 1's perplexity drifts, text 0's does not. Pooled the
-    ratio passes; text 1 alone fails, so the point does not meet the target."""
-    from kvfold.plan.search import CurvePoint
-
+    ratio passes; text 1 alone fails, so the point does not meet the target. The point, parts and all, reads back
+    from the manifest's JSON form as it was."""
     base = Metrics(top1=0.5, nll=2.0, tokens=400, correct=(50,) * 4, window_tokens=(100,) * 4,
                    window_nll=(200.0,) * 4, window_part=(0, 1, 0, 1))
     cand = Metrics(top1=0.5, nll=2.008, tokens=400, correct=(50,) * 4, window_tokens=(100,) * 4,
                    window_nll=(200.0, 201.5, 200.0, 201.7), window_part=(0, 1, 0, 1))
     assert cand.parts == [0, 1] and cand.part(1).tokens == 200 and cand.part(1).nll == pytest.approx(2.016)
-    point = CurvePoint.measured(0.1, 0.1, 0.2, cand, base)
+    point = Point.measured(0.1, 0.1, 0.2, cand, base)
     assert [q.ppl_ratio for q in point.parts] == pytest.approx([1.0, math.exp(0.016)])
     assert point.ppl_ratio < 1 / 0.99 < point.parts[1].ppl_ratio
     assert not Target("joint", 0.99).met(point) and Target("joint", 0.99).met(point.parts[0])
-    assert CurvePoint.from_dict(point.to_dict()) == point
+    as_json = TypeAdapter(Point)
+    restored = as_json.validate_python(json.loads(json.dumps(as_json.dump_python(point))))
+    assert isinstance(restored.parts[1], Point) and repr(restored) == repr(point)  # repr: NaN reads back as NaN

@@ -8,13 +8,13 @@ from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import Evaluator
 from kvfold.plan.ranks import RankRule, plan_ranks
-from kvfold.plan.sensitivity import CLIP, _weights, measure_weights
+from kvfold.plan.sensitivity import CLIP, _scales, measure_scales
 from tests.conftest import VOCAB, build_tiny
 from tests.factors.test_factors import tiny_stats
 
 
 def test_cheaper_layers_get_larger_multipliers_within_the_clip():
-    w = _weights([1e-3, 1e-4, 0.0, -5e-4, 1.0])
+    w = _scales([1e-3, 1e-4, 0.0, -5e-4, 1.0])
     assert w[2] == w[3]  # a negative cost is noise: floored like zero
     assert w[3] > w[1] > w[0] > w[4]
     assert max(w) <= CLIP and min(w) == pytest.approx(1 / CLIP)
@@ -31,7 +31,7 @@ def test_layer_multipliers_change_only_their_layer():
     assert sum(scaled.d_k[1]) < sum(plain.d_k[1])
 
 
-def test_measure_weights_scores_each_layer_and_kind_once():
+def test_measure_scales_scores_each_layer_and_kind_once():
     model = build_tiny("LlamaForCausalLM")
     stats = tiny_stats(model, "LlamaForCausalLM")
     adapter = get_adapter("LlamaForCausalLM")
@@ -40,7 +40,7 @@ def test_measure_weights_scores_each_layer_and_kind_once():
     calls = []
     score = evaluator.score
     evaluator.score = lambda factors, compare=True: calls.append(factors) or score(factors, compare)
-    w = measure_weights(bases, evaluator, min_rank=1)
+    w = measure_scales(bases, evaluator, min_rank=1)
     assert len(calls) == 4 and len(w.k) == len(w.v) == 2
     assert all(1 / CLIP <= x <= CLIP for x in w.k + w.v)
     assert all(c != 0 for c in w.cost_k + w.cost_v)  # a real, measured NLL change per layer

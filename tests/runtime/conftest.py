@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
-import kvfold
 from kvfold.adapters import HeadLayout, get_adapter
-from kvfold.checkpoint.manifest import Calibration, Manifest, Point, SourceModel
+from kvfold.checkpoint.manifest import Calibration, Manifest, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
+from kvfold.plan.bits import BitPlan, BitRule
+from kvfold.plan.export_plan import Baseline, ExportPlan
+from kvfold.plan.point import Point
+from kvfold.plan.ranks import RankPlan, RankRule
 from kvfold.rewrite.bake import bake
 from kvfold.sources.models import weights_sha256
-from kvfold_runtime import K_POST, Q_POST
 from tests.conftest import build_tiny
 from tests.rewrite.test_bake import _factors
 
@@ -57,26 +58,28 @@ def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method
     ("16" or "low", band_bits) in the bits format, its bands' scales stored as `band_scale`."""
     model = build_tiny(arch)
     d_k, d_v = (full_ranks if ranks == "full" else uneven_ranks)(model)
-    k_bits = v_bits = None
-    if bits is not None:
-        k_bits, v_bits = band_bits(d_k, bits == "low"), band_bits(d_v, bits == "low")
     layout = HeadLayout.from_config(model.config)
-    factors = _factors(model, arch, method, d_k, d_v)
-    baked = bake(model, get_adapter(arch), factors)
-    p = 1 - sum(map(sum, d_k + d_v)) / (2 * layout.head_dim * layout.num_kv_heads * layout.num_layers)
-    point = Point(r_k=0.0, r_v=0.0, compression=p, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0)
-    manifest = Manifest(
-        kvfold_version=kvfold.__version__, torch_version=torch.__version__,
-        transformers_version=transformers.__version__,
-        source=SourceModel(spec=str(source), path=str(source), architecture=arch,
-                           weights_sha256=weights_sha256(source)),
-        calibration=Calibration(source="random", text=None, tokens=512, seed=0, stats_sha256="test"),
-        method=method, metric="top1", target="compression>=0", eval_text="test", eval_tokens=0,
-        baseline_top1=0.0, baseline_ppl=0.0, rounding_multiple=1, min_rank=1, head_dim=layout.head_dim,
-        num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, d_k=d_k, d_v=d_v, k_bits=k_bits,
-        v_bits=v_bits, band_scale=band_scale, chosen=point,
-        curve=[point], extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
-    )
+    d = layout.head_dim
+    rank_plan = RankPlan(d_k, d_v, d)
+    rule, bit_plan = RankRule(0.0, 0.0, multiple=1, min_rank=1), None
+    if bits is not None:  # every head's widths padded with dropped dims (0 bits) to head_dim, as plan_bits gives them
+        k_bits, v_bits = band_bits(d_k, bits == "low"), band_bits(d_v, bits == "low")
+
+        def padded(side):
+            return [[head + [0] * (d - len(head)) for head in layer] for layer in side]
+
+        rule, bit_plan = BitRule(0.0, 0.0, scale=band_scale), BitPlan(padded(k_bits), padded(v_bits), d, band_scale)
+    point = Point(r_k=0.0, r_v=0.0, compression=rank_plan.compression, top1_ratio=1.0, ppl_ratio=1.0, top1_se=0.0)
+    plan = ExportPlan(
+        model=model, layout=layout, method=method, metric="top1", target=None, ratio=0.0, allocation="eq6",
+        search_dtype="float32", positions=None, scales=None, rule=rule, ranks=rank_plan, bits=bit_plan,
+        factors=tuple(_factors(model, arch, method, d_k, d_v)), chosen=point, curve=(point,),
+        baseline=Baseline(eval_text="test", eval_tokens=0, top1=0.0, ppl=0.0), passkey=None)
+    baked = bake(plan.model, get_adapter(arch), list(plan.factors))
+    manifest = Manifest.from_plan(
+        plan, baked, source=SourceModel(spec=str(source), path=str(source), architecture=arch,
+                                        weights_sha256=weights_sha256(source)),
+        calibration=Calibration(source="random", text=None, tokens=512, seed=0, stats_sha256="test"))
     out.mkdir(parents=True)
     return TinyExport(model, out, write_checkpoint(baked, source, manifest, out))
 

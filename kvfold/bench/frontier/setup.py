@@ -1,5 +1,5 @@
 """One model's shared pieces for the frontier, each built once on first use: the loaded model, the
-held-out windows every point is scored on, calibrations, factor bases and sensitivity weights."""
+held-out windows every point is scored on, calibrations, factor bases and sensitivity scales."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from kvfold.factors import LayerBasis, get_method
 from kvfold.factors.positions import fitted_statistics
 from kvfold.factors.weights import o_proj_heads
 from kvfold.hooks import AttentionPatch, patched
-from kvfold.measure.evaluate import Evaluator, Metrics, Reference, score_model
+from kvfold.measure.evaluate import Evaluator, Reference, score_model
+from kvfold.measure.metrics import Metrics
 from kvfold.measure.passkey import passkey_hits, passkey_prompts, passkey_summary
-from kvfold.plan.sensitivity import LayerWeights, measure_weights
+from kvfold.plan.sensitivity import LayerScales, measure_scales
 from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
@@ -123,12 +124,12 @@ class Setup:
 
         return self.once(("bases", factor, calib), build)
 
-    def layer_weights(self) -> LayerWeights:
-        """Sensitivity weights of kvfold's own bases (aware, text), measured on wiki:dev."""
+    def layer_scales(self) -> LayerScales:
+        """Sensitivity scales of kvfold's own bases (aware, text), measured on wiki:dev."""
         def build():
             probe = text_sequences(self.tokenizer, resolve_text("wiki:dev"), self.sensitivity_tokens, self.seq_len,
                                    seed=0)
             evaluator = Evaluator(self.model, self.adapter, probe, replay=True, compare=False)
-            return measure_weights(self.bases("aware", "text"), evaluator, min_rank=min(8, self.multiple))
+            return measure_scales(self.bases("aware", "text"), evaluator, min_rank=min(8, self.multiple))
 
-        return self.once("weights", build)
+        return self.once("scales", build)

@@ -30,9 +30,9 @@ class KVFoldBits:
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
-        weights = setup.layer_weights()
+        scales = setup.layer_scales()
         rule = BitRule(1.0, 1.0)
         for bits in self.grid:
             theta = theta_for_mean_bits(bases, bits, rule.widths, V_SCALE)  # export's default K/V split
-            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, rule.widths, weights.k, weights.v))
+            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, rule.widths, scales.k, scales.v))
             yield Candidate(bits, 1.0 - plan.compression, bit_patches(bases, plan, setup.dtype))

@@ -4,7 +4,7 @@ kvfold = output-aware V + whitened Q/K factors (factors/aware.py) from text cali
 from removal rates scaled per layer by measured sensitivity (plan/sensitivity.py). Ablations: one rate r
 for K and V in every head (eq6, the papers' rule) with r_v = r_k or r_v = r_k / 4; random-token or ZDC
 (pruned + K-means) calibration instead of text — their sensitivity multipliers are kvfold's own, measured
-once per model (setup.layer_weights), so those two differ from kvfold in their calibration alone.
+once per model (setup.layer_scales), so those two differ from kvfold in their calibration alone.
 `fp8=True` stores the compressed k', v' in fp8.
 """
 
@@ -39,10 +39,10 @@ class KVFold:
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases(self.factors, self.calib)
-        weights = setup.layer_weights() if self.allocation == "sensitivity" else None
+        scales = setup.layer_scales() if self.allocation == "sensitivity" else None
         for r in self.grid:
             rule = RankRule(r_k=r, r_v=self.v_scale * r, multiple=setup.multiple, min_rank=min(8, setup.multiple),
-                            layer_k=weights.k if weights else (), layer_v=weights.v if weights else ())
+                            layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
             ranks = plan_ranks(bases, rule)
             quantize = fp8_roundtrip if self.fp8 else None
             patches = {i: compressed(f, setup.dtype, quantize) for i, f in enumerate(factors_for(bases, ranks))}

@@ -1,0 +1,185 @@
+"""`plan_export`: from checked inputs (plan/reuse.check_inputs) to an ExportPlan — factor bases fitted to the
+statistics, per-layer rates, the search for the target (or a recorded curve's point), the pass-key check, and
+the chosen point's ranks, bits and factors. Nothing is baked or written here (export.py does that)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+from torch import nn
+
+from kvfold.adapters import HeadLayout
+from kvfold.calib.tokens import Sequences, text_sequences
+from kvfold.errors import KVFoldError
+from kvfold.factors import LayerBasis, get_method
+from kvfold.factors.positions import fitted_statistics
+from kvfold.factors.weights import o_proj_heads
+from kvfold.measure.evaluate import Evaluator
+from kvfold.measure.passkey import passkey_length, passkey_prompts
+from kvfold.plan.bits import BitRule, bit_factors, plan_bits
+from kvfold.plan.criteria import Target
+from kvfold.plan.export_plan import Baseline, ExportInputs, ExportPlan
+from kvfold.plan.longrange import NUDGES, keep_passkeys
+from kvfold.plan.point import Point
+from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
+from kvfold.plan.recipe import Recipe
+from kvfold.plan.reuse import context_positions, pick
+from kvfold.plan.search import best_point
+from kvfold.plan.sensitivity import LayerScales, measure_scales
+from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression, measure
+from kvfold.sources.models import DTYPES, ModelRef, load_model, source_dtype
+from kvfold.sources.tokenizer import load_tokenizer
+
+__all__ = ["plan_export"]
+
+Log = Callable[[str], None]
+Rule = Callable[..., RankRule | BitRule]  # (r, r_v=None) -> the searched family's member
+
+
+class _Found(NamedTuple):
+    best: Point
+    curve: tuple[Point, ...]
+    baseline: Baseline
+    passkey: dict | None
+    model: nn.Module  # the model last run: the search's, or the source's dtype after the pass-key check
+
+
+def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda line: None) -> ExportPlan:
+    """Choose the point for the recipe's target and everything baking it needs.
+
+    The model runs in recipe.dtype on `device`; the plan's model is in the source checkpoint's dtype. With a
+    previous export (inputs.previous), the point is picked from its recorded curve and nothing is evaluated.
+    `log` gets one plain line per stage and per scored candidate."""
+    ref, recipe, previous, identity = inputs.ref, inputs.recipe, inputs.previous, inputs.stats.header.model
+    target = recipe.target()
+    net = load_model(ref, recipe.dtype, device)
+    method = get_method(recipe.method)
+    positions = context_positions(recipe, previous, net, ref.adapter.rope)
+    fitted = fitted_statistics(inputs.stats, net, positions)  # RoPE: every position up to the context, not 0–511
+    bases = [method.basis(fitted, i, o_proj_heads(net, ref.adapter, i)) for i in range(identity.num_layers)]
+    windows = None if previous else _windows(inputs, target)
+    if previous is None and recipe.allocation == "sensitivity":
+        log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")
+    scales = _layer_scales(inputs, bases, net, windows, log)
+    rule = partial(_rule, recipe, scales)
+    if previous is not None:
+        best, passkey = pick(previous.curve, recipe, target, previous.passkey)
+        found = _Found(best, previous.curve, previous.baseline, passkey, net)
+    else:
+        found = _search(inputs, net, bases, windows, target, rule, device, log)
+    chosen = rule(found.best.r_k, found.best.r_v)
+    bits = plan_bits(bases, chosen) if isinstance(chosen, BitRule) else None
+    ranks = bits.ranks() if bits else plan_ranks(bases, chosen)
+    return ExportPlan(
+        model=_in_source_dtype(found.model, ref, device),
+        layout=HeadLayout(identity.num_layers, identity.num_heads, identity.num_kv_heads, identity.head_dim),
+        method=recipe.method, metric=recipe.metric, target=target, ratio=recipe.ratio, allocation=recipe.allocation,
+        search_dtype=recipe.dtype, positions=positions, scales=scales, rule=chosen, ranks=ranks, bits=bits,
+        factors=tuple(bit_factors(bases, bits) if bits else factors_for(bases, ranks)),
+        chosen=found.best, curve=found.curve, baseline=found.baseline, passkey=found.passkey)
+
+
+def _rule(recipe: Recipe, scales: LayerScales | None, r: float, r_v: float | None = None) -> RankRule | BitRule:
+    """The searched family's member at knob r (r_v = v_scale·r unless given): a rank rule, or for the bits format
+    a bit rule whose knob is the water-filling's θ (plan/bits.py)."""
+    r_v = recipe.v_scale * r if r_v is None else r_v
+    layers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
+    if recipe.format == "bits":
+        return BitRule(theta_k=r, theta_v=r_v, **layers)
+    return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, **layers)
+
+
+def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:
+    """The 512-token windows of the evaluation text that every candidate is scored on."""
+    recipe = inputs.recipe
+    windows = text_sequences(load_tokenizer(inputs.ref.path), inputs.docs, recipe.eval_tokens, 512, seed=0)
+    texts = max(1, len(set(windows.parts)))
+    if target is not None and target.needs_se() and len(windows.ids) < 2 * texts:
+        raise KVFoldError(f"--margin needs a standard error on each text, and {recipe.eval_text} gives fewer "
+                          f"than two 512-token windows per text; raise --eval-tokens to {1024 * texts} or "
+                          "more, or pass --margin 0")
+    return windows
+
+
+def _layer_scales(inputs: ExportInputs, bases: list[LayerBasis], net: nn.Module, windows: Sequences | None,
+                   log: Log) -> LayerScales | None:
+    """Per-layer rate multipliers: recorded in a previous export, measured now, or none (eq6)."""
+    recipe = inputs.recipe
+    if recipe.allocation == "eq6":
+        return None
+    if inputs.previous is not None:
+        return inputs.previous.scales
+    n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
+    probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True, compare=False)
+    return measure_scales(bases, probe, recipe.min_rank, progress=log)
+
+
+def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windows: Sequences, target: Target | None,
+            rule: Rule, device: str, log: Log) -> _Found:
+    """Score the original, search for the target (or score the one point of a compression target), then keep
+    the chosen point only if it retrieves the original's pass keys (plan/longrange.py)."""
+    recipe = inputs.recipe
+    log(f"scoring the original on {windows.num_tokens} tokens of {recipe.eval_text}")
+    evaluator = Evaluator(net, inputs.ref.adapter, windows)
+    base = evaluator.baseline
+    baseline = Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1, ppl=base.ppl)
+    if target is None:
+        best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
+        return _Found(best, tuple(curve), baseline, None, net)
+    log(f"searching for {target.describe()}")
+    started = [time.monotonic()]
+
+    def scored(p: Point) -> None:  # one line per candidate, with what it took
+        log(f"candidate {p.describe(recipe.eval_text)} ({time.monotonic() - started[0]:.0f} s)")
+        started[0] = time.monotonic()
+
+    search = for_accuracy_bits if recipe.format == "bits" else for_accuracy
+    best, curve = search(bases, evaluator, target, rule, progress=scored)
+    if not recipe.passkey:
+        return _Found(best, tuple(curve), baseline, None, net)
+    # Checked in the checkpoint's own dtype, as it will be served and verified: a key at the edge can flip
+    # between dtypes (measured: a bfloat16 search's check kept 10/10, float32 lost one).
+    net = _in_source_dtype(net, inputs.ref, device)
+    like = next(net.parameters())
+
+    def patches_for(p: Point) -> list[dict]:
+        chosen = rule(p.r_k, p.r_v)
+        if isinstance(chosen, BitRule):  # three roundings of the cache (plan/longrange.py)
+            plan = plan_bits(bases, chosen)
+            return [bit_patches(bases, plan, like, nudge) for nudge in NUDGES]
+        return [evaluator.patches(factors_for(bases, plan_ranks(bases, chosen)), like)]
+
+    def between(a: Point, b: Point) -> Point:  # scored as the search scores
+        point = measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)))
+        scored(point)
+        return point
+
+    best, record, curve = _keep_passkeys(net, inputs.ref, recipe.passkey, curve, target, patches_for, log, between)
+    return _Found(best, tuple(curve), baseline, record, net)
+
+
+def _in_source_dtype(net: nn.Module, ref: ModelRef, device: str) -> nn.Module:
+    """`net` itself, or the model read again in the source checkpoint's dtype when the search ran in another:
+    what is baked and written, and what the pass keys are checked on."""
+    stored = source_dtype(ref)
+    if next(net.parameters()).dtype == DTYPES[stored]:
+        return net
+    return load_model(ref, stored, device)
+
+
+def _keep_passkeys(net: nn.Module, ref: ModelRef, context: int, curve: list[Point], target: Target, patches_for,
+                   log: Log, between) -> tuple[Point, dict, list[Point]]:
+    """plan/longrange.py on prompts of `context` tokens, or the model's whole context if shorter; skipped, and
+    recorded as such, where that has no room for the task. Points scored on the way join the curve returned."""
+    try:
+        prompts = passkey_prompts(load_tokenizer(ref.path), passkey_length(net, context))
+    except KVFoldError as e:
+        log(f"pass keys not checked: {e}")
+        return best_point(curve, target), {"skipped": str(e)}, curve
+    log(f"pass keys at {len(prompts[0].ids)} tokens: the most compressed passing point that keeps the original's")
+    best, record, added = keep_passkeys(net, ref.adapter, prompts, curve, target, patches_for, log, between)
+    return best, record, sorted([*curve, *added], key=lambda p: (p.r_k, p.r_v))

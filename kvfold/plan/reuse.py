@@ -1,0 +1,82 @@
+"""An export's inputs, checked before any work, and --reuse-curve: a previous export's recorded curve answers
+a new target without evaluating anything, when it was searched with the same settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from kvfold.calib.artifact import CalibStats
+from kvfold.errors import KVFoldError
+from kvfold.plan.bits import SCALE
+from kvfold.plan.criteria import Target
+from kvfold.plan.export_plan import ExportInputs, PreviousExport
+from kvfold.plan.point import Point
+from kvfold.plan.recipe import Recipe
+from kvfold.plan.search import best_point
+from kvfold.sources.models import ModelRef, weights_sha256
+from kvfold.sources.text import resolve_text
+
+__all__ = ["check_inputs", "context_positions", "pick"]
+
+
+def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousExport | None = None) -> ExportInputs:
+    """What plan_export plans from, checked before anything is written: the calibration measured these weights,
+    a previous export (--reuse-curve) was searched with this export's settings, the evaluation text exists."""
+    stats = CalibStats.load(Path(calib))
+    sha = weights_sha256(ref.path)
+    if stats.header.model.weights_sha256 != sha:
+        raise KVFoldError(f"'{calib}' was calibrated on different weights than '{ref.spec}' (sha256 differs); "
+                          f"run kvfold calibrate {ref.spec} first")
+    if previous is not None:
+        _check_reusable(previous, sha, stats, recipe)
+    docs = None if previous else resolve_text(recipe.eval_text)
+    return ExportInputs(ref=ref, stats=stats, recipe=recipe, weights_sha256=sha, previous=previous, docs=docs)
+
+
+def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: Recipe) -> None:
+    checks = [
+        ("model weights", prev.weights_sha256, sha),
+        ("calibration", prev.stats_sha256, stats.header.stats_sha256),
+        ("method", prev.method, recipe.method),
+        ("rank rounding", prev.rounding, recipe.rounding),
+        ("rank allocation", prev.allocation, recipe.allocation),
+        ("cache format", prev.format, recipe.format),
+        # bits exports before schema 1.6 stored float16 scales and did not mix their bands
+        ("band scale format", prev.band_scale, SCALE if recipe.format == "bits" else None),
+        ("--dtype", prev.search_dtype, recipe.dtype),
+    ]
+    for what, theirs, ours in checks:
+        if theirs != ours:
+            raise KVFoldError(f"--reuse-curve: '{prev.path}' was searched with a different {what}; "
+                              "export without --reuse-curve")
+
+
+def context_positions(recipe: Recipe, previous: PreviousExport | None, net: nn.Module, rope: bool) -> int | None:
+    """The context the query/key statistics are averaged over: None for a model without RoPE or --context 0;
+    a reused curve keeps its own."""
+    if previous is not None:
+        if recipe.context is not None and (recipe.context or None) != previous.positions:
+            raise KVFoldError(f"--reuse-curve: that export was fitted for --context {previous.positions or 0}; "
+                              "export without --reuse-curve, or drop --context")
+        return previous.positions
+    if not rope or recipe.context == 0:
+        return None
+    return recipe.context or net.config.get_text_config().max_position_embeddings
+
+
+def pick(curve: tuple[Point, ...], recipe: Recipe, target: Target | None,
+         checked: dict | None) -> tuple[Point, dict | None]:
+    """A point of a recorded curve, and its pass-key record when the previous export checked that very point.
+    Points whose pass-key check failed there are not picked."""
+    if target is not None:
+        rejected = {r["compression"] for r in (checked or {}).get("rejected", [])}
+        best = best_point([p for p in curve if p.compression not in rejected] or list(curve), target,
+                          where="on the recorded curve")
+        same = checked is not None and checked.get("compression") == best.compression
+        return best, checked if same else None
+    ok = [p for p in curve if p.compression >= recipe.ratio]
+    if not ok:
+        raise KVFoldError(f"no recorded point reaches compression {recipe.ratio}; export without --reuse-curve")
+    return min(ok, key=lambda p: p.compression), None
