@@ -5,8 +5,9 @@
 compressed keys and values. Public API: `register`, `runtime_class`, `kv_cache_bytes`, `check_export`,
 `reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged`, `attention` (the
 dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and the Triton kernels
-`decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention` (imported on
-first use: triton is needed only where they run).
+`decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention`, and over a
+bits-format cache `bits_attention`, `paged_bits_attention` (codes dequantized in registers; not yet dispatched)
+(imported on first use: triton is needed only where they run).
 
 The checkpoint contract (kvfold_runtime.format, the one definition kvfold writes and every runtime reads):
 `MANIFEST` (the manifest's file name), `SCHEMA_VERSION` and `check_schema`, `Q_POST` / `K_POST` (tensor names
@@ -60,13 +61,14 @@ from kvfold_runtime.kernels import (
 __version__ = "0.1.0"
 __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "LEGACY_BAND_SCALE", "MANIFEST",
            "Q_POST", "SCHEMA_VERSION", "Band", "ConfigBlock", "Family", "LayerDims", "attention", "band_roundtrip",
-           "band_row_bytes", "bands_from_bits", "check_export", "check_schema", "decode_attention", "head_dim",
-           "kernels_for", "kv_cache_bytes", "model_dims", "paged_attention", "paged_decode_attention",
-           "paged_prefill_attention", "prefill_attention", "reference_attention", "register", "runtime_class",
-           "runtime_class_name", "sdpa_attention", "write_paged"]
+           "band_row_bytes", "bands_from_bits", "bits_attention", "check_export", "check_schema", "decode_attention",
+           "head_dim", "kernels_for", "kv_cache_bytes", "model_dims", "paged_attention", "paged_bits_attention",
+           "paged_decode_attention", "paged_prefill_attention", "prefill_attention", "reference_attention", "register",
+           "runtime_class", "runtime_class_name", "sdpa_attention", "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
-           "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill"}
+           "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill",
+           "bits_attention": "triton_bits", "paged_bits_attention": "triton_bits"}
 
 
 def __getattr__(name: str):
