@@ -95,7 +95,7 @@ def export(
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
                                                  f"unfavourable side {_default('margin')}.")] = None,
     format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks) or bits (each kept dim "
-                                               "stored at 2–16 bits; transformers runtime only) "
+                                               "stored at 2–16 bits; transformers and vLLM) "
                                                f"{_default('format')}.")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"

@@ -157,29 +157,60 @@ def memory(
 
 @app.command()
 def serve(
-    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    export: Annotated[list[Path] | None, typer.Option(help="An exported directory; repeat to compare several "
+                                                      "exports of one model [the one scripts/demo.sh writes].")] = None,
     against: Annotated[str | None, typer.Option(help="The original model [the manifest's source].")] = None,
-    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget given to vLLM for each model, MiB.")] = 512,
-    requests: Annotated[int, typer.Option(help="Requests in the workload, submitted at once.")] = 64,
-    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per request (wiki:eval).")] = 1024,
-    new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (greedy, EOS ignored).")] = 128,
+    kv_cache_dtype: Annotated[list[str] | None, typer.Option(help="vLLM's own kv_cache_dtype values to run the "
+                                                             "original with, repeatable; none: no such run "
+                                                             "[fp8, fp8_e5m2, int8/fp8/int4_per_token_head, the four "
+                                                             "turboquant_*].")] = None,
+    kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget given to vLLM for each configuration, "
+                                              "MiB.")] = 512,
+    workload: Annotated[str, typer.Option(help="all (cache-limited and long-context), limited, long, or none "
+                                          "(KV capacity and the probe only: fast).")] = "all",
+    requests: Annotated[int, typer.Option(help="Cache-limited workload: requests, submitted at once.")] = 64,
+    prompt_tokens: Annotated[int, typer.Option(help="Cache-limited workload: prompt tokens per request "
+                                               "(wiki:eval).")] = 512,
+    new_tokens: Annotated[int, typer.Option(help="Cache-limited workload: tokens generated per request (greedy, "
+                                            "EOS ignored).")] = 512,
+    long_prompt_tokens: Annotated[int, typer.Option(help="Long-context workload: the one request's prompt "
+                                                    "tokens.")] = 4096,
+    long_new_tokens: Annotated[int, typer.Option(help="Long-context workload: its generated tokens (decode "
+                                                 "tokens/s counts those after the first).")] = 128,
     dtype: Annotated[str, typer.Option(help="Model dtype in vLLM.")] = "float32",
     eager: Annotated[bool, typer.Option(help="Skip vLLM's torch.compile (faster start, slower steps).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
+    png: Annotated[Path | None, typer.Option(help="Draw KV capacity and tokens/s per configuration here.")] = None,
 ) -> None:
-    """vLLM serving, original vs export, same KV budget: KV token capacity, peak concurrent requests,
-    time and tokens/s of one fixed workload; each engine in a fresh process; JSON."""
-    from kvfold.bench.serve import bench_serve
+    """vLLM serving at one KV budget: the original, each export, and the original under each of vLLM's own
+    kv_cache_dtype values, each in a fresh process. Per configuration: vLLM's KV blocks, token capacity and
+    bytes per token, their ratios to the original's, a probe against kv_cache_dtype=auto (2 prompts read
+    teacher-forced, then 16 greedy tokens: a built-in dtype whose cache is not read back as written, or whose
+    engine fails, is `"runs": false` with why, and no throughput), then tokens/s of a cache-limited workload
+    (peak running requests too) and decode tokens/s of one long request; JSON.
 
-    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    The defaults make the cache the limit of the original: 64 × (512 + 512) = 65,536 tokens against the
+    11,648 that SmolLM2-135M's float32 cache holds in 512 MiB (the JSON's `limits_original` says so for any
+    model and budget)."""
+    from kvfold.bench.outputs import check_paths, write_outputs
+    from kvfold.bench.serve import DEFAULT_KV_DTYPES, bench_serve
+    from kvfold.bench.serve_point import Workload
+    from kvfold.bench.serve_view import draw, serve_table
+
     with user_errors():
-        _at_least_1(("--kv-cache-mib", kv_cache_mib), ("--requests", requests), ("--prompt-tokens", prompt_tokens),
-                    ("--new-tokens", new_tokens))
-        report = bench_serve(export, against, kv_cache_mib, requests, prompt_tokens, new_tokens, dtype, eager)
-    text = json.dumps(report, indent=2)
-    if json_out is not None:
-        atomic_write_text(json_out, text + "\n")
-    print(text)
+        check_paths(json_out, png)
+        _at_least_1(("--kv-cache-mib", kv_cache_mib))
+        shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
+        if png is not None:
+            from kvfold.bench.frontier.plot import pyplot
+
+            pyplot()
+        dtypes = list(DEFAULT_KV_DTYPES) if kv_cache_dtype is None else [d for d in kv_cache_dtype if d != "none"]
+        report = bench_serve(export or [cache_root() / "demo" / "SmolLM2-135M-kvfold"], against, kv_cache_mib,
+                             dtypes, shape, dtype, eager)
+        write_outputs(report, json_out, png, draw)
+    err.print(serve_table(report))
+    print(json.dumps(report, indent=2))
 
 
 @app.command()
@@ -224,12 +255,16 @@ def compile(  # the command's name
 
 
 @app.command("serve-point", hidden=True)
-def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, requests: int = 64,
-                prompt_tokens: int = 1024, new_tokens: int = 128, dtype: str = "float32", eager: bool = False) -> None:
-    from kvfold.bench.serve import one_engine
+def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, kv_cache_dtype: str = "auto",
+                requests: int = 64, prompt_tokens: int = 512, new_tokens: int = 512, long_prompt_tokens: int = 4096,
+                long_new_tokens: int = 128, workload: str = "all", dtype: str = "float32", eager: bool = False,
+                reference: Path | None = None) -> None:
+    from kvfold.bench.serve_point import Workload, one_engine
 
     with user_errors():
-        result = one_engine(model, tokenizer_dir, kv_cache_bytes, requests, prompt_tokens, new_tokens, dtype, eager)
+        shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
+        probe = None if reference is None else json.loads(reference.read_text())
+        result = one_engine(model, tokenizer_dir, kv_cache_bytes, kv_cache_dtype, shape, dtype, eager, probe)
     atomic_write_text(out, json.dumps(result))
 
 

@@ -1,106 +1,84 @@
-"""Serving in vLLM with one KV memory budget: the original against the export (kvfold-runtime's plugin).
+"""Serving in vLLM with one KV memory budget: the original, kvfold exports (kvfold-runtime's plugin) and the
+original under vLLM's own `kv_cache_dtype` values, side by side.
 
-Each model runs in a fresh process (one vLLM engine per process, so neither inherits the other's memory
-or compiled code) with the same `kv_cache_memory_bytes`. Reported from vLLM's own accounting:
-the KV token capacity it allocated in that budget (blocks × block size), the peak number of requests
-it ran at once (its scheduler's `num_running_reqs`, read through a stat logger — vLLM's public hook for
-metrics) and its peak KV usage, and for one fixed workload (N requests of P prompt tokens + G generated
-tokens, all submitted at once, greedy, EOS ignored) the wall time and tokens/s.
+Every configuration runs in a fresh process (`serve-point`, kvfold/bench/serve_point.py: one vLLM engine per
+process, so none inherits another's memory or compiled code) with the same `kv_cache_memory_bytes`.
+Reported from vLLM's own accounting: the KV blocks it allocated in that budget (× block size = the token
+capacity; budget ÷ capacity = bytes per token, at most one block's rounding above the page's share), the
+peak number of requests it ran at once, and the tokens/s of a cache-limited workload and of batch-1
+decode at a long context. A built-in dtype whose probe (serve_point.reads_back) shows its cache is not read
+back as written, or whose engine fails, is reported with `"runs": false` and why, without throughput.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
-import time
+from dataclasses import asdict
 from pathlib import Path
 
 from kvfold.bench.engine_log import root_cause
+from kvfold.bench.serve_point import (
+    PROBE_MAX_PPL,
+    PROBE_MIN_TOP1,
+    PROBE_PROMPT_TOKENS,
+    PROBE_PROMPTS,
+    PROBE_TOKENS,
+    Workload,
+    agreement,
+)
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
-from kvfold.sources.text import resolve_text
-from kvfold.sources.tokenizer import load_tokenizer
 
-__all__ = ["bench_serve", "one_engine"]
+__all__ = ["DEFAULT_KV_DTYPES", "KV_DTYPES", "bench_serve", "capacity_figures", "layout_capacities"]
 
+log = logging.getLogger(__name__)
 
-def _prompts(model_dir: Path, requests: int, tokens: int) -> list[list[int]]:
-    """`requests` distinct, consecutive `tokens`-long pieces of wiki:eval (no shared prefixes to cache)."""
-    ids = load_tokenizer(model_dir)("\n\n".join(resolve_text("wiki:eval"))).input_ids
-    if len(ids) < requests * tokens:
-        raise KVFoldError(f"wiki:eval has {len(ids)} tokens, fewer than --requests × --prompt-tokens")
-    return [ids[i * tokens:(i + 1) * tokens] for i in range(requests)]
-
-
-def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, requests: int, prompt_tokens: int,
-               new_tokens: int, dtype: str, eager: bool) -> dict:
-    """In this process: one vLLM engine, its KV capacity, then the workload."""
-    from vllm import EngineArgs, LLMEngine, SamplingParams
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    peaks = {"running": 0, "kv_usage": 0.0, "waiting": 0}
-
-    class Peaks(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            pass
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                peaks["running"] = max(peaks["running"], scheduler_stats.num_running_reqs)
-                peaks["waiting"] = max(peaks["waiting"], scheduler_stats.num_waiting_reqs)
-                peaks["kv_usage"] = max(peaks["kv_usage"], scheduler_stats.kv_cache_usage)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    prompts = _prompts(Path(tokenizer_dir), requests, prompt_tokens)
-    t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(model=model, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=eager,
-                   max_model_len=prompt_tokens + new_tokens, disable_log_stats=False, seed=0),
-        stat_loggers=[Peaks])
-    startup = time.perf_counter() - t0
-    cache = engine.vllm_config.cache_config
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0)
-    t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    generated = 0
-    while engine.has_unfinished_requests():
-        generated += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    seconds = time.perf_counter() - t0
-    return {"model": model, "kv_cache_memory_bytes": kv_cache_bytes, "kv_blocks": cache.num_gpu_blocks,
-            "block_size": cache.block_size, "kv_token_capacity": cache.num_gpu_blocks * cache.block_size,
-            "peak_running_requests": peaks["running"], "peak_waiting_requests": peaks["waiting"],
-            "peak_kv_cache_usage": round(peaks["kv_usage"], 4), "workload_s": round(seconds, 2),
-            "generated_tokens": generated, "generated_tokens_per_s": round(generated / seconds, 2),
-            "total_tokens_per_s": round((generated + requests * prompt_tokens) / seconds, 2),
-            "startup_s": round(startup, 1)}
+# vLLM 0.32's CacheDType less "auto" (the original's own run); tests check it against the installed vLLM
+KV_DTYPES = ("float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
+             "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
+             "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6")
+DEFAULT_KV_DTYPES = ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
+                     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def _run(model: str, tokenizer_dir: Path, args: dict) -> dict:
+def _why(output: str) -> str:
+    """The root cause, or that vLLM's worker died (a crash leaves only its engine's "cancelled" behind)."""
+    crash = re.search(r"Worker proc \S+ died unexpectedly \(exit code: (-?\d+)\)", output)
+    # exit code 0: the worker left cleanly as the engine shut down after the real error (seen under load)
+    if crash is None or "kvfold: " in output or int(crash.group(1)) == 0:
+        return root_cause(output)
+    code = int(crash.group(1))
+    return f"vLLM's worker process died (exit code {code}{', a segmentation fault' if code == -11 else ''})"
+
+
+def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]] | None = None) -> dict:
+    """One configuration in a fresh process; {"error": the root cause} when it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "point.json"
         cmd = [sys.executable, "-m", "kvfold.bench", "serve-point", model, str(tokenizer_dir), str(out)]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if not isinstance(v, bool)]
         cmd += ["--eager"] if args["eager"] else []
+        if reference is not None:
+            (Path(tmp) / "reference.json").write_text(json.dumps(reference))
+            cmd += [f"--reference={Path(tmp) / 'reference.json'}"]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0 or not out.exists():
-            raise KVFoldError(f"vLLM run of {model} failed: {root_cause(done.stdout + done.stderr)}")
+            return {"error": _why(done.stdout + done.stderr)}
         return json.loads(out.read_text())
 
 
-_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def layout_capacities(manifest: Manifest, budget: int, block_size: int, dtype: str) -> dict:
-    """KV tokens vLLM gives `budget` bytes under each way to declare per-head widths, by vLLM's page
-    formula (a page = block_size × Σ over a layer's declared KV heads of (head_size + head_size_v) × bytes;
-    all layers share one block pool): the packed layout kvfold uses (one KV head of Σd_k / Σd_v per
+    """KV tokens vLLM gives `budget` bytes under each way to declare a rank export's per-head widths, by
+    vLLM's page formula (a page = block_size × Σ over a layer's declared KV heads of (head_size + head_size_v)
+    × bytes; all layers share one block pool): the packed layout kvfold uses (one KV head of Σd_k / Σd_v per
     layer), padding every head of a layer to its widest, and one Attention per bucket of equal widths."""
     per_layer = {"packed": [], "pad_to_layer_max": [], "buckets": []}
     buckets = 0
@@ -119,25 +97,139 @@ def layout_capacities(manifest: Manifest, budget: int, block_size: int, dtype: s
     return out
 
 
-def bench_serve(export: Path, against: str | None, kv_cache_mib: int, requests: int, prompt_tokens: int,
-                new_tokens: int, dtype: str, eager: bool) -> dict:
-    manifest = Manifest.load(export)
-    source = resolve_model(against or manifest.source.path)
-    p = manifest.chosen.compression
-    args = {"kv_cache_bytes": kv_cache_mib << 20, "requests": requests, "prompt_tokens": prompt_tokens,
-            "new_tokens": new_tokens, "dtype": dtype, "eager": eager}
-    original = _run(str(source.path), source.path, args)
-    exported = _run(str(export), source.path, args)
-    ratio = exported["kv_token_capacity"] / original["kv_token_capacity"]
-    return {
-        "benchmark": "serve", "engine": "vllm", "export": str(export), "original": str(source.path),
-        "compression_p": round(p, 4), "dtype": dtype, "kv_cache_mib": kv_cache_mib,
-        "workload": {"requests": requests, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens},
-        "runs": {"original": original, "exported": exported},
-        # the lead the plugin follows, against the alternatives: capacity by vLLM's page formula
-        "layouts": layout_capacities(manifest, args["kv_cache_bytes"], exported["block_size"], dtype),
-        "kv_capacity_ratio": round(ratio, 4), "ideal_capacity_ratio": round(1 / (1 - p), 4),
-        "capacity_target_met": ratio >= 0.97 / (1 - p),
-        "peak_running_ratio": round(exported["peak_running_requests"] / max(1, original["peak_running_requests"]), 4),
-        "throughput_ratio": round(exported["total_tokens_per_s"] / original["total_tokens_per_s"], 4),
-    }
+def capacity_figures(run: dict, original: dict) -> dict:
+    """From vLLM's block count and the budget: the token capacity, bytes per token (budget ÷ capacity) and
+    the ratios against the original's run (capacity, peak running requests, tokens/s where both measured)."""
+    capacity = run["kv_blocks"] * run["block_size"]
+    out = {"kv_token_capacity": capacity,
+           "bytes_per_token": round(run["kv_cache_memory_bytes"] / capacity, 1) if capacity else None}
+    ratios = {"kv_token_capacity": round(capacity / original["kv_token_capacity"], 4)}
+    pairs = [("peak_running_requests", "cache_limited", "peak_running_requests"),
+             ("generated_tokens_per_s", "cache_limited", "generated_tokens_per_s"),
+             ("decode_tokens_per_s", "long_context", "decode_tokens_per_s")]
+    for name, workload, key in pairs:
+        mine, theirs = run.get(workload, {}).get(key), original.get(workload, {}).get(key)
+        if mine is not None and theirs:
+            ratios[name] = round(mine / theirs, 4)
+    return {**out, "vs_original": ratios}
+
+
+def _original_bytes_per_token(path: Path, dtype: str) -> int:
+    """The uncompressed cache: layers × 2 (K, V) × KV heads × head_dim × element bytes."""
+    from transformers import AutoConfig
+
+    from kvfold_runtime import head_dim
+
+    c = AutoConfig.from_pretrained(path)
+    return c.num_hidden_layers * 2 * (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) \
+        * head_dim(c) * _BYTES[dtype]
+
+
+def _names(exports: list[Path]) -> list[str]:
+    names = []
+    for e in exports:
+        name = f"export:{e.name}"
+        names.append(name if name not in names and name != "original" else f"{name}#{len(names) + 1}")
+    return names
+
+
+def _export_entry(run: dict, manifest: Manifest, original: dict, budget: int, dtype: str) -> dict:
+    """An export's run with its format's own bytes per token and the capacity ratio those promise."""
+    fmt = "rank" if manifest.k_bits is None else "bits"
+    nominal = manifest.config_block().bytes_per_token(_BYTES[dtype])
+    ideal = original["format_bytes_per_token"] / nominal
+    entry = {"kind": "export", "format": fmt, "compression_p": round(manifest.chosen.compression, 4),
+             "format_bytes_per_token": nominal, **run, "runs": True, "ideal_capacity_ratio": round(ideal, 4),
+             "capacity_target_met": run["kv_token_capacity"] >= 0.97 * ideal * original["kv_token_capacity"]}
+    if fmt == "rank":  # the lead the plugin follows, against the alternatives, by vLLM's page formula
+        entry["layouts"] = layout_capacities(manifest, budget, run["block_size"], dtype)
+    return entry
+
+
+def _dtype_entry(kv_dtype: str, run: dict) -> dict:
+    """A built-in kv_cache_dtype's run; why it does not run, when it does not."""
+    entry = {"kind": "kv_cache_dtype", **run}
+    if "error" in run:
+        return entry | {"kv_cache_dtype": kv_dtype, "runs": False, "reason": f"the engine failed: {run['error']}"}
+    if not run["runs"]:
+        p = run["probe"]
+        entry["reason"] = (f"the cache is not read back as written: reading the probe's prompts, its next-token top-1 "
+                           f"agrees with kv_cache_dtype=auto's on {p['top1_agreement']:.3f} of positions (runs needs "
+                           f"≥ {PROBE_MIN_TOP1}), its perplexity is {p['ppl_ratio']:.4g}× auto's (≤ {PROBE_MAX_PPL}); "
+                           f"greedy tokens {p['greedy_tokens_equal']} of {p['greedy_tokens']} equal")
+        known = run.get("cpu_attention_cache_dtypes")
+        if known is not None and kv_dtype not in known:
+            entry["reason"] += (f". vLLM's CPU attention declares only {', '.join(known)} (its kernel takes any other "
+                                "value as the model's dtype) and the CPU platform does not check")
+    return entry
+
+
+def _check_passkeys_fit(tokenizer_dir: Path, context: int) -> None:
+    """Before any engine starts: the long-context workload's pass-key prompts fit in its prompt length."""
+    from kvfold.measure.passkey import passkey_prompts
+    from kvfold.sources.tokenizer import load_tokenizer
+
+    try:
+        passkey_prompts(load_tokenizer(tokenizer_dir), context)
+    except KVFoldError:
+        raise KVFoldError(f"--long-prompt-tokens {context} is too short to hide a pass key in (the long-context "
+                          "workload serves the pass-key prompts at that length too); give at least 512") from None
+
+
+def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_dtypes: list[str],
+                workload: Workload, dtype: str, eager: bool) -> dict:
+    for name in kv_dtypes:
+        if name not in KV_DTYPES:
+            raise KVFoldError(f"--kv-cache-dtype {name!r} is not one of vLLM 0.32's: {', '.join(KV_DTYPES)} (or none)")
+    if dtype not in _BYTES:
+        raise KVFoldError(f"--dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+    manifests = [Manifest.load(e) for e in exports]
+    if len({m.source.weights_sha256 for m in manifests}) > 1:
+        raise KVFoldError("the exports come from different models; compare exports of one model in one run")
+    source = resolve_model(against or manifests[0].source.path)
+    if workload.which in ("all", "long"):
+        _check_passkeys_fit(source.path, workload.long_prompt_tokens)
+    budget = kv_cache_mib << 20
+    args = {"kv_cache_bytes": budget, **{k: v for k, v in asdict(workload).items() if k != "which"},
+            "workload": workload.which, "dtype": dtype, "eager": eager}
+
+    def one(label: str, model: str, extra: dict | None = None, reference=None, must_run: bool = True) -> dict:
+        log.info("serve: %s in a fresh vLLM engine", label)
+        run = _run(model, source.path, {**args, **(extra or {})}, reference)
+        if must_run and "error" in run:
+            raise KVFoldError(f"vLLM run of {model} failed: {run['error']}")
+        return run
+
+    # the exports first: an export vLLM refuses ends the run before the long runs of the others
+    exported = {name: one(name, str(e)) for name, e in zip(_names(exports), exports, strict=True)}
+    original = one("original", str(source.path))
+    reference = original.pop("probe_run")
+    original |= {"kind": "original", "format_bytes_per_token": _original_bytes_per_token(source.path, dtype)}
+    configs = {"original": original}
+    for (name, run), manifest in zip(exported.items(), manifests, strict=True):
+        run["probe"] = agreement(run.pop("probe_run"), reference)
+        configs[name] = _export_entry(run, manifest, original, budget, dtype)
+    for kv_dtype in kv_dtypes:
+        run = one(f"kv_cache_dtype={kv_dtype}", str(source.path), {"kv_cache_dtype": kv_dtype}, reference, False)
+        run.pop("probe_run", None)
+        configs[kv_dtype] = _dtype_entry(kv_dtype, run)
+    for entry in configs.values():
+        if "kv_blocks" in entry:
+            entry |= capacity_figures(entry, original)
+    shapes = {"which": workload.which, "probe": {
+        "prompts": PROBE_PROMPTS, "prompt_tokens": PROBE_PROMPT_TOKENS, "greedy_tokens": PROBE_TOKENS,
+        "against": "kv_cache_dtype=auto", "runs_if": f"top1_agreement >= {PROBE_MIN_TOP1} and ppl_ratio <= "
+        f"{PROBE_MAX_PPL}"}}
+    if workload.which in ("all", "limited"):
+        tokens = workload.requests * (workload.prompt_tokens + workload.new_tokens)
+        shapes["cache_limited"] = {"requests": workload.requests, "prompt_tokens": workload.prompt_tokens,
+                                   "new_tokens": workload.new_tokens, "tokens": tokens,
+                                   "limits_original": tokens > original["kv_token_capacity"]}
+        if not shapes["cache_limited"]["limits_original"]:
+            log.warning("serve: the original holds all %d tokens of the workload; raise --requests or lower "
+                        "--kv-cache-mib for a cache-limited one", tokens)
+    if workload.which in ("all", "long"):
+        shapes["long_context"] = {"prompt_tokens": workload.long_prompt_tokens, "new_tokens": workload.long_new_tokens}
+    return {"benchmark": "serve", "engine": "vllm", "original": str(source.path), "dtype": dtype,
+            "kv_cache_mib": kv_cache_mib, "kv_cache_memory_bytes": budget, "eager": eager, "workloads": shapes,
+            "configurations": configs}

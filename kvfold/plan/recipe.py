@@ -61,7 +61,7 @@ class Recipe(BaseModel):
     margin: float = Field(default=1.0, ge=0.0)
     # rank: the cache stores k', v' at the chosen ranks in the model's dtype. bits: each kept dim in a band of
     # 2–16 bits with per-token scales (plan/bits.py, kvfold_runtime.bands); ranks follow from the bits, so
-    # multiple and min_rank do not apply. Served by the transformers runtime only, so far.
+    # multiple and min_rank do not apply. Served by the transformers runtime and the vLLM plugin.
     format: Literal["rank", "bits"] = "rank"
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's

@@ -3,10 +3,11 @@
 `import kvfold_runtime` registers the KVFold<Arch> classes with transformers' Auto classes, so
 `AutoModelForCausalLM.from_pretrained(EXPORTED_DIR)` returns a model whose cache stores the
 compressed keys and values. Public API: `register`, `runtime_class`, `kv_cache_bytes`, `check_export`,
-`reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged`, `attention` (the
+`reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged` (with the row codecs of a paged
+cache, `row_codec`, `NumberRows` / `BandRows`: a layer's numbers, or its band codes), `attention` (the
 dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and the Triton kernels
 `decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention`, and over a
-bits-format cache `bits_attention`, `paged_bits_attention` (codes dequantized in registers; not yet dispatched)
+bits-format cache `bits_attention`, `paged_bits_attention` (codes dequantized in registers; vLLM's on CUDA)
 (imported on first use: triton is needed only where they run).
 
 The checkpoint contract (kvfold_runtime.format, the one definition kvfold writes and every runtime reads):
@@ -50,21 +51,25 @@ from kvfold_runtime.format import (
 )
 from kvfold_runtime.hf import register, runtime_class
 from kvfold_runtime.kernels import (
+    BandRows,
+    NumberRows,
     attention,
     kernels_for,
     paged_attention,
     reference_attention,
+    row_codec,
     sdpa_attention,
     write_paged,
 )
 
 __version__ = "0.1.0"
 __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "LEGACY_BAND_SCALE", "MANIFEST",
-           "Q_POST", "SCHEMA_VERSION", "Band", "ConfigBlock", "Family", "LayerDims", "attention", "band_roundtrip",
-           "band_row_bytes", "bands_from_bits", "bits_attention", "check_export", "check_schema", "decode_attention",
-           "head_dim", "kernels_for", "kv_cache_bytes", "model_dims", "paged_attention", "paged_bits_attention",
-           "paged_decode_attention", "paged_prefill_attention", "prefill_attention", "reference_attention", "register",
-           "runtime_class", "runtime_class_name", "sdpa_attention", "write_paged"]
+           "Q_POST", "SCHEMA_VERSION", "Band", "BandRows", "ConfigBlock", "Family", "LayerDims", "NumberRows",
+           "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits", "bits_attention", "check_export",
+           "check_schema", "decode_attention", "head_dim", "kernels_for", "kv_cache_bytes", "model_dims",
+           "paged_attention", "paged_bits_attention", "paged_decode_attention", "paged_prefill_attention",
+           "prefill_attention", "reference_attention", "register", "row_codec", "runtime_class", "runtime_class_name",
+           "sdpa_attention", "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
            "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill",

@@ -33,13 +33,14 @@ attention reads back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
 
 __all__ = ["DEFAULT_SCALE", "LEGACY_SCALE", "SCALES", "WIDTHS", "Band", "bands_from_bits", "decode_heads",
-           "dequantize", "encode_heads", "quantize", "roundtrip", "row_bytes"]
+           "dequantize", "encode_heads", "log8_scales", "quantize", "roundtrip", "row_bytes"]
 
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)  # the bit widths a band may have
 SCALES = {"log8": 1, "float16": 2}  # a quantized band's per-token scale format -> its bytes
@@ -131,8 +132,15 @@ def _encode_scale(ideal: torch.Tensor, scale: str) -> tuple[torch.Tensor, torch.
     return c.to(torch.uint8), _decode_log8(c)
 
 
+@functools.cache
+def log8_scales(device: str = "cpu") -> torch.Tensor:
+    """The 256 scales a log8 byte stands for, float32: one table, so that every reader (this module, the CPU
+    cache reader) gets the same float32 for a byte (exp2 on a vector and on a scalar can differ in the last bit)."""
+    return torch.exp2((torch.arange(256, dtype=torch.float32) - LOG8_ZERO) / LOG8_STEPS).to(device)
+
+
 def _decode_log8(c: torch.Tensor) -> torch.Tensor:
-    return torch.exp2((c.float() - LOG8_ZERO) / LOG8_STEPS)
+    return log8_scales(str(c.device))[c.long()]
 
 
 def _decode_scale(raw: torch.Tensor, scale: str) -> torch.Tensor:

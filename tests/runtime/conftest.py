@@ -90,3 +90,11 @@ def tiny_exports(tiny_dirs, tmp_path_factory) -> dict[tuple[str, str], TinyExpor
     root = tmp_path_factory.mktemp("exports")
     return {(arch, ranks): write_export(arch, tiny_dirs[arch], root / f"{arch}-{ranks}", ranks)
             for arch in tiny_dirs for ranks in ("full", "uneven")}
+
+
+@pytest.fixture(scope="session")
+def tiny_bits_exports(tiny_dirs, tmp_path_factory) -> dict[str, TinyExport]:
+    """architecture -> a tiny bits-format export at uneven ranks, every head in 8-, 4- and 2-bit bands
+    (band_bits "low"), built once per test run."""
+    root = tmp_path_factory.mktemp("bits-exports")
+    return {arch: write_export(arch, tiny_dirs[arch], root / arch, "uneven", bits="low") for arch in tiny_dirs}

@@ -1,10 +1,22 @@
 """The paged torch path (what the vLLM backend runs) against the reference on the same tokens: scattered
-blocks, several requests at once, decode batches, chunked prefill against a cached prefix, sliding windows."""
+blocks, several requests at once, decode batches, chunked prefill against a cached prefix, sliding windows;
+rows of numbers (model dtype, fp8) and of band codes (bits format)."""
 
 import pytest
 import torch
 
-from kvfold_runtime import paged_attention, reference_attention, write_paged
+from kvfold_runtime import (
+    BandRows,
+    LayerDims,
+    NumberRows,
+    bands_from_bits,
+    paged_attention,
+    reference_attention,
+    row_codec,
+    write_paged,
+)
+from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.kernels.dispatch import paged, paged_kernels_for
 
 WIDTHS = {
     "uneven, d_k != d_v": ([5, 1, 7], [3, 8, 2]),
@@ -89,14 +101,82 @@ def test_fp8_cache_holds_one_byte_per_number_and_attends_on_its_codes(fp8):
     kv = torch.zeros(4, 1, bs, sum(d_k) + sum(d_v), dtype=torch.uint8)
     table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
     pos = torch.arange(s)
-    write_paged(kv, table[0, pos // bs].long() * bs + pos % bs, k, v, fp8=fp8, k_scale=0.5, v_scale=2.0)
+    codec = NumberRows(sum(d_k), fp8, k_scale=0.5, v_scale=2.0)
+    write_paged(kv, table[0, pos // bs].long() * bs + pos % bs, k, v, codec=codec)
     dk = ((k / 0.5).to(fp8).float() * 0.5)
     dv = ((v / 2.0).to(fp8).float() * 2.0)
     step = 2.0 ** -3 if fp8 == torch.float8_e4m3fn else 2.0 ** -2  # relative spacing of the mantissa
     assert ((dk - k).abs() <= step * k.abs() + 1e-2).all()
     q = torch.randn(t, group * sum(d_k), generator=g)
     got = paged_attention(q, kv, table, torch.tensor([s]), torch.tensor([0, t]), d_k, d_v, group, scaling=0.4,
-                          fp8=fp8, k_scale=0.5, v_scale=2.0)
+                          codec=codec)
     want = reference_attention(q[None], dk[None], dv[None], d_k, d_v, group, scaling=0.4,
                                mask=_window_mask(t, s, None))[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _banded(d_k, d_v, group) -> LayerDims:
+    """A bits-format layer: per head a band at 16, 8, 4 and 2 bits (what fits its width), float16 scales on one
+    head to cover both scale formats."""
+    def head(w, g):
+        bits = ([16] * (w // 4) + [8] * (w // 4) + [4] * (w // 4) + [2] * w)[:w]
+        return bands_from_bits(bits, "float16" if g == 1 else "log8")
+
+    return LayerDims(tuple(d_k), tuple(d_v), group, tuple(head(w, g) for g, w in enumerate(d_k)),
+                     tuple(head(w, g) for g, w in enumerate(d_v)))
+
+
+@pytest.mark.parametrize("widths", list(WIDTHS.values()), ids=list(WIDTHS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window):
+    """A bits-format layer's paged cache: uint8 rows of exactly LayerDims.row_bytes() = the export's bytes per
+    token, each encode_heads(keys) ++ encode_heads(values); attention over it (decodes, a prefill, a chunked
+    prefill) = the reference on decode_heads of those rows."""
+    d_k, d_v = widths
+    group, bs = 2, 4
+    dims = _banded(d_k, d_v, group)
+    codec = row_codec(dims)
+    assert isinstance(codec, BandRows)
+    k_bytes, v_bytes = dims.row_bytes()
+    seq_lens, q_lens = [9, 1, 7, 13], [1, 1, 7, 4]
+    g = torch.Generator().manual_seed(5)
+    n_blocks = sum((s + bs - 1) // bs for s in seq_lens)
+    order = torch.randperm(n_blocks + 2, generator=g)[:n_blocks] + 1
+    kv = torch.full((n_blocks + 3, 1, bs, k_bytes + v_bytes), 0xFF, dtype=torch.uint8)  # 0xFF 0xFF: a float16 NaN
+    table = torch.zeros(len(seq_lens), max((s + bs - 1) // bs for s in seq_lens), dtype=torch.int32)
+    used, seqs = 0, []
+    for r, s in enumerate(seq_lens):
+        per = (s + bs - 1) // bs
+        table[r, :per] = order[used:used + per]
+        used += per
+        k, v = torch.randn(s, sum(d_k), generator=g) * 2, torch.randn(s, sum(d_v), generator=g)
+        pos = torch.arange(s)
+        slots = table[r, pos // bs].long() * bs + pos % bs
+        write_paged(kv, slots, k, v, codec=codec)
+        rows = kv.view(-1, k_bytes + v_bytes)[slots]
+        assert torch.equal(rows, torch.cat([encode_heads(k, dims.d_k, dims.k_bands),
+                                            encode_heads(v, dims.d_v, dims.v_bands)], -1))
+        seqs.append((decode_heads(rows[:, :k_bytes], dims.d_k, dims.k_bands, torch.float32),
+                     decode_heads(rows[:, k_bytes:], dims.d_v, dims.v_bands, torch.float32)))
+    q = torch.randn(sum(q_lens), group * sum(d_k), generator=g)
+    start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    got = paged(q, kv, table, torch.tensor(seq_lens), start, list(d_k), list(d_v), group, scaling=0.3,
+                sliding_window=window, codec=codec)  # the dispatch vLLM calls: on CPU, the torch path
+    assert paged_kernels_for(q, codec) == "torch" and not got.isnan().any()
+    for r, (k, v) in enumerate(seqs):
+        qr = q[start[r]:start[r + 1]]
+        want = reference_attention(qr[None], k[None], v[None], list(d_k), list(d_v), group, scaling=0.3,
+                                   mask=_window_mask(q_lens[r], seq_lens[r], window))[0]
+        torch.testing.assert_close(got[start[r]:start[r + 1]], want, rtol=1e-5, atol=1e-5)
+
+
+def test_bits_rows_are_written_from_the_model_dtype_and_padding_slots_are_skipped():
+    dims = _banded([6, 3], [5, 8], 1)
+    kv = torch.zeros(2, 1, 4, sum(dims.row_bytes()), dtype=torch.uint8)
+    k, v = torch.randn(3, 9, dtype=torch.bfloat16), torch.randn(3, 13, dtype=torch.bfloat16)
+    write_paged(kv, torch.tensor([5, -1, 2]), k, v, codec=BandRows(dims))
+    rows = kv.view(-1, kv.shape[-1])
+    assert torch.equal(rows[[5, 2]], BandRows(dims).encode(k[[0, 2]], v[[0, 2]], torch.uint8))
+    assert not rows[[0, 1, 3, 4, 6, 7]].any()
+    got_k, got_v = BandRows(dims).decode(rows[[5]], torch.bfloat16)
+    assert got_k.dtype == got_v.dtype == torch.bfloat16 and got_k.shape == (1, 9) and got_v.shape == (1, 13)

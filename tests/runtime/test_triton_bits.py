@@ -298,3 +298,26 @@ def test_wrong_inputs_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="`out`"):
         triton_bits.paged_bits_attention(q[0], kv[..., 1:], table, lens, starts, dims, scaling=1.0,
                                          out=torch.zeros(1, dims.out_width + 1))
+
+
+@kernels
+def test_the_paged_dispatch_takes_the_bits_kernel_where_triton_runs(monkeypatch):
+    """What vLLM's KVFOLD backend calls (kernels.dispatch.paged with the layer's BandRows codec): on CUDA (here:
+    KVFOLD_KERNELS=triton in the interpreter) the bits kernel runs, and gives the torch path's result."""
+    from kvfold_runtime import BandRows
+    from kvfold_runtime.kernels import dispatch
+
+    dims = LAYERS["uneven"]
+    kv, table, lens, start, q, _ = _paged(dims, [40, 30, 45], [1, 30, 20], F32, seed=4)
+    calls = []
+    real = triton_bits.paged_bits_attention
+    monkeypatch.setattr(triton_bits, "paged_bits_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("KVFOLD_KERNELS", "triton")
+    codec = BandRows(dims)
+    assert dispatch.paged_kernels_for(q, codec) == "triton"
+    got = dispatch.paged(q, kv, table, lens, start, list(dims.d_k), list(dims.d_v), dims.group, scaling=SCALE,
+                         codec=codec, max_query_len=30)
+    assert calls == [1]
+    torch.testing.assert_close(got, _torch_paged(q, kv, table, lens, start, dims, None), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("KVFOLD_KERNELS", "torch")
+    assert dispatch.paged_kernels_for(q, codec) == "torch"

@@ -4,9 +4,10 @@
 `triton` (also on CPU, where Triton needs TRITON_INTERPRET=1 set before it is first imported — the tests
 run the runtime that way). Cases the kernels do not cover fall back to the torch path in every mode:
 soft-capped scores (Gemma 2), masks the kernels do not take (triton_common.mask_problem: other dtypes, shapes,
-devices), fp8 caches, float64. The masks transformers passes (bool [B, 1, T, S], causal, left-padded or banded
-for sliding windows) go to the kernels. The torch path is kvfold_runtime.kernels.torch_sdpa / .paged; the
-layouts are paged.py's.
+devices), fp8 caches, float64. A paged bits-format (band) cache takes the Triton bits kernel
+(triton_bits.paged_bits_attention: codes dequantized in registers) where the others would take Triton. The
+masks transformers passes (bool [B, 1, T, S], causal, left-padded or banded for sliding windows) go to the
+kernels. The torch path is kvfold_runtime.kernels.torch_sdpa / .paged; the layouts are paged.py's.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import os
 
 import torch
 
-from kvfold_runtime.kernels.paged import paged_attention
+from kvfold_runtime.kernels.paged import BandRows, NumberRows, RowCodec, StepPlan, paged_attention, plan_step
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
-__all__ = ["attention", "kernels_for", "paged"]
+__all__ = ["attention", "kernels_for", "paged", "paged_kernels_for"]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,6 +33,13 @@ def _triton():
     except ImportError:
         return None
     return triton_decode, triton_prefill
+
+
+@functools.cache
+def _triton_bits():
+    from kvfold_runtime.kernels import triton_bits  # imported only where _triton() imported
+
+    return triton_bits
 
 
 def kernels_for(x: torch.Tensor) -> str:
@@ -71,21 +79,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int],
     return prefill.prefill_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=mask)
 
 
+def paged_kernels_for(x: torch.Tensor, codec: RowCodec | None) -> str:
+    """'triton' or 'torch' for a query over a paged cache whose rows `codec` wrote (None: the numbers in the
+    cache's dtype): kernels_for(x) where the Triton kernels read the rows, the torch path elsewhere."""
+    if codec is None or isinstance(codec, BandRows) or (isinstance(codec, NumberRows) and codec.fp8 is None):
+        return kernels_for(x)
+    return "torch"  # fp8 codes: the torch path decodes them
+
+
+def _plan(plans: dict | None, block_table, seq_lens, query_start_loc, block_size: int,
+          window: int | None) -> StepPlan:
+    key = (block_size, window)
+    if plans is None or key not in plans:
+        plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), block_size, window)
+        if plans is None:
+            return plan
+        plans[key] = plan
+    return plans[key]
+
+
 def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
           query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
-          sliding_window: int | None = None, out: torch.Tensor | None = None, fp8: torch.dtype | None = None,
-          k_scale: float = 1.0, v_scale: float = 1.0, max_query_len: int | None = None,
-          max_seq_len: int | None = None) -> torch.Tensor:
+          sliding_window: int | None = None, out: torch.Tensor | None = None, codec: RowCodec | None = None,
+          max_query_len: int | None = None, max_seq_len: int | None = None,
+          plans: dict | None = None) -> torch.Tensor:
     """vLLM's paged cache: paged_attention's contract. On the Triton path `seq_lens` and `query_start_loc`
     should live on the query's device and `max_query_len` / `max_seq_len` be given (vLLM knows them), so
-    a step needs no host round trip; a batch of one-token requests takes the decode kernel."""
-    if fp8 is not None or kernels_for(query) == "torch":
-        return paged_attention(query, kv, block_table, seq_lens.cpu(), query_start_loc.cpu(), d_k, d_v, group,
-                               scaling=scaling, sliding_window=sliding_window, out=out, fp8=fp8, k_scale=k_scale,
-                               v_scale=v_scale)
-    decode, prefill = _triton()
+    a step needs no host round trip; a batch of one-token requests takes the decode kernel. `plans`: a dict
+    that lives as long as the step (vLLM's attention metadata keeps one), where the torch path keeps the
+    step's StepPlan per (block size, window) for the next layers."""
+    if paged_kernels_for(query, codec) == "torch":
+        plan = _plan(plans, block_table, seq_lens, query_start_loc, kv.shape[-2], sliding_window)
+        return paged_attention(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group,
+                               scaling=scaling, sliding_window=sliding_window, out=out, codec=codec, plan=plan)
     dev = query.device
     seq_lens, query_start_loc = seq_lens.to(dev), query_start_loc.to(dev)
+    if isinstance(codec, BandRows):  # codes read and dequantized in registers, never a dequantized copy
+        return _triton_bits().paged_bits_attention(query, kv, block_table, seq_lens, query_start_loc, codec.dims,
+                                                   scaling=scaling, sliding_window=sliding_window, out=out,
+                                                   max_query_len=max_query_len, max_seq_len=max_seq_len)
+    decode, prefill = _triton()
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len == 1:

@@ -1,127 +1,203 @@
 """Attention over a *paged* cache of packed per-head widths (vLLM's block tables), in plain torch.
 
 The paged layout — one layout for the vLLM backend, this torch path and the GPU kernels:
-  per layer one tensor  kv [num_blocks, block_size, Σ_g d_k + Σ_g d_v]  (any leading view of it that
-  flattens to rows, e.g. vLLM's [num_blocks, 1, block_size, C] with one declared "KV head")
-  row of a token         [k'_0 | k'_1 | … | k'_{G-1} | v'_0 | v'_1 | … | v'_{G-1}]
-                          every KV head g at its own width d_k[g] (keys) / d_v[g] (values), no padding
-  slot of a token         block_table[request, position // block_size] * block_size + position % block_size
-So a page holds block_size × (Σd_k + Σd_v) numbers: the KV pool shrinks by exactly 1 − p. The numbers are
-the model dtype, or fp8 (vLLM's kv_cache_dtype="fp8": uint8 storage holding float8_e4m3fn / e5m2 codes of
-k / k_scale and v / v_scale, saturated at the format's largest value), which halves the bytes again. Queries and
-outputs keep the contiguous packed layouts of kvfold_runtime.format ([T, Σ_h d_k(g(h))], [T, Σ_h d_v(g(h))]).
+  per layer one tensor  kv [num_blocks, block_size, C]  (any leading view of it that flattens to rows,
+                         e.g. vLLM's [num_blocks, 1, block_size, C] with one declared "KV head")
+  slot of a token        block_table[request, position // block_size] * block_size + position % block_size
+  row of a token         its keys then its values, every KV head g at its own width, no padding, stored by
+                         the layer's row codec (how the numbers become the row's C elements, and back):
+  - NumberRows, rank format: [k'_0 | … | k'_{G-1} | v'_0 | … | v'_{G-1}], C = Σ_g d_k + Σ_g d_v numbers in
+    the model's dtype, or fp8 (vLLM's kv_cache_dtype="fp8": uint8 storage holding float8_e4m3fn / e5m2
+    codes of k / k_scale and v / v_scale, saturated at the format's largest value), which halves the bytes.
+  - BandRows, bits format: uint8, C = LayerDims.row_bytes() = K_bytes + V_bytes, the row
+    encode_heads(keys) ++ encode_heads(values) (kvfold_runtime.bands: per head its band codes, then its
+    one-byte scales) — exactly the export's bytes per token, the transformers runtime's cache byte for byte.
+So a page holds block_size rows: the KV pool shrinks by exactly what the export saves. Attention decodes only
+the rows it gathers (the slots of the requests in the batch), to the query's dtype, then runs the same math
+for every codec. Queries and outputs keep the contiguous packed layouts of kvfold_runtime.format
+([T, Σ_h d_k(g(h))], [T, Σ_h d_v(g(h))]).
 
 Requests are described as vLLM does: query_start_loc [R + 1] (their query tokens, concatenated), seq_lens [R]
 (tokens in the cache after this step, the new ones included: the queries are the *last* tokens of each
-sequence), block_table [R, max_blocks]. Decode requests (one query token) are batched into one call per
-KV head; prefills and chunked prefills (several query tokens against a cached prefix) go one by one.
+sequence), block_table [R, max_blocks]. Decode requests (one query token) are read together, all heads in two
+batched products (torch_decode.packed_decode); prefills and chunked prefills (several query tokens against a
+cached prefix) go one by one, per KV head (sdpa_attention). What a step's batch reads (StepPlan) is worked out
+once per step, not per layer: on a CPU the Python over the batch cost more than the attention.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
+from kvfold_runtime.bands import encode_heads
+from kvfold_runtime.format import LayerDims
+from kvfold_runtime.kernels.torch_bits import decode_rows
+from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
-__all__ = ["paged_attention", "write_paged"]
+__all__ = ["BandRows", "NumberRows", "RowCodec", "StepPlan", "paged_attention", "plan_step", "row_codec", "write_paged"]
 
 
-def _encode(x: torch.Tensor, fp8: torch.dtype | None, scale: float, like: torch.Tensor) -> torch.Tensor:
-    if fp8 is None:
-        return x.to(like.dtype)
-    big = torch.finfo(fp8).max
-    return (x.float() / scale).clamp(-big, big).to(fp8).view(like.dtype)
+class RowCodec(Protocol):
+    """How a layer's cached row [keys | values] is written and read back."""
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        """k [N, Σd_k], v [N, Σd_v] -> rows [N, C] in the cache's dtype."""
+        ...
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [..., C] -> keys [..., Σd_k], values [..., Σd_v] in `dtype`."""
+        ...
 
 
-def _decode_rows(rows: torch.Tensor, sk: int, dtype: torch.dtype, fp8: torch.dtype | None, k_scale: float,
-                 v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached rows [..., C] -> keys [..., Σd_k], values [..., Σd_v] in the query dtype."""
-    if fp8 is None:
-        return rows[..., :sk].to(dtype), rows[..., sk:].to(dtype)
-    codes = rows.view(fp8)
-    return codes[..., :sk].to(dtype) * k_scale, codes[..., sk:].to(dtype) * v_scale
+@dataclass(frozen=True)
+class NumberRows:
+    """Rank format: the numbers themselves, in the cache's dtype (`fp8` None), or float8 codes of k / k_scale
+    and v / v_scale (`fp8`: the format the uint8 cache holds)."""
+
+    key_width: int  # Σ_g d_k: where the values start
+    fp8: torch.dtype | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        if self.fp8 is None:
+            return torch.cat([k.to(cache_dtype), v.to(cache_dtype)], -1)
+        big = torch.finfo(self.fp8).max
+        x = torch.cat([k.float() / self.k_scale, v.float() / self.v_scale], -1)
+        return x.clamp(-big, big).to(self.fp8).view(cache_dtype)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.key_width
+        if self.fp8 is None:
+            return rows[..., :w].to(dtype), rows[..., w:].to(dtype)
+        codes = rows.view(self.fp8)
+        return codes[..., :w].to(dtype) * self.k_scale, codes[..., w:].to(dtype) * self.v_scale
+
+
+@dataclass(frozen=True)
+class BandRows:
+    """Bits format: uint8 rows of the layer's band codes and scales, keys' then values' (kvfold_runtime.bands)."""
+
+    dims: LayerDims
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        assert cache_dtype == torch.uint8, "a bits-format layer's cache holds bytes"
+        d = self.dims
+        return torch.cat([encode_heads(k, d.d_k, d.k_bands), encode_heads(v, d.d_v, d.v_bands)], -1)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        d, key_bytes = self.dims, self.dims.row_bytes()[0]  # decode_rows: decode_heads' values, table-driven
+        return (decode_rows(rows[..., :key_bytes], d.d_k, d.k_bands, dtype),
+                decode_rows(rows[..., key_bytes:], d.d_v, d.v_bands, dtype))
+
+
+def row_codec(dims: LayerDims, fp8: torch.dtype | None = None, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> NumberRows | BandRows:
+    """The codec of a layer's cache: its bands for a bits-format layer, else its numbers (`fp8`: as fp8 codes)."""
+    if dims.banded:
+        assert fp8 is None, "band codes are not quantized again"
+        return BandRows(dims)
+    return NumberRows(sum(dims.d_k), fp8, k_scale, v_scale)
 
 
 def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                fp8: torch.dtype | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Store keys k [N, Σd_k] and values v [N, Σd_v] of N tokens at their slots (-1: padding, skipped);
-    `fp8`: the float8 format the (uint8) cache holds."""
-    rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, Σd_k + Σd_v]
+                codec: RowCodec | None = None) -> None:
+    """Store keys k [N, Σd_k] and values v [N, Σd_v] of N tokens at their slots (-1: padding, skipped), as
+    `codec` writes rows (default: the numbers in the cache's dtype)."""
+    rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     n = slots.shape[0]
     k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    w = k.shape[-1]
-    rows[slots, :w] = _encode(k, fp8, k_scale, rows)
-    rows[slots, w:] = _encode(v, fp8, v_scale, rows)
+    codec = codec or NumberRows(k.shape[-1])
+    rows[slots] = codec.encode(k, v, rows.dtype)
 
 
 def _gather(blocks: torch.Tensor, table_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Rows of positions [start, end) of one sequence: [end - start, C]."""
     bs = blocks.shape[1]
     first, last = start // bs, (end + bs - 1) // bs
-    rows = blocks[table_row[first:last]].reshape(-1, blocks.shape[-1])  # [(last-first)·bs, C]
+    rows = blocks.index_select(0, table_row[first:last].long()).reshape(-1, blocks.shape[-1])  # [(last-first)·bs, C]
     return rows[start - first * bs:end - first * bs]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one engine step reads the paged cache, the same for every layer of one block size and window: built
+    once per step (vLLM's backend keeps it in the step's metadata), so a layer runs tensor ops only, no Python
+    over the batch. Decode requests (one query token) are read together, whole blocks at a time (one
+    index_select: ~5× faster on a CPU than gathering single rows): `decode_rows` [N] their query rows,
+    `decode_blocks` [N, B] the blocks each reads, from the one holding its first visible token (padded with its
+    own last block: a freed block may hold bytes no codec decodes), `decode_valid` [N, B·block_size] which of
+    the rows read it sees. `prefills`: per prefill or chunked prefill (request, first query row, query rows,
+    tokens in the cache)."""
+
+    decode_rows: torch.Tensor | None
+    decode_blocks: torch.Tensor | None
+    decode_valid: torch.Tensor | None
+    decode_unseen: torch.Tensor | None  # the flat indices of the rows read but not seen, zeroed after the read
+    prefills: tuple[tuple[int, int, int, int], ...]
+
+
+def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+              sliding_window: int | None = None) -> StepPlan:
+    """The StepPlan of a batch described as vLLM does (see the module docstring)."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    prefills = tuple((i, starts[i], q_lens[i], lens[i]) for i in range(len(lens)) if q_lens[i] > 1)
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if not decode:
+        return StepPlan(None, None, None, None, prefills)
+    dev = block_table.device
+    seq = torch.tensor([lens[i] for i in decode], device=dev)
+    begin = torch.zeros_like(seq) if sliding_window is None else (seq - sliding_window).clamp(min=0)
+    first, last = begin // block_size, (seq - 1) // block_size  # the blocks holding visible tokens
+    count = int((last - first).max()) + 1
+    cols = torch.minimum(first[:, None] + torch.arange(count, device=dev)[None, :], last[:, None])  # [N, B]
+    blocks = block_table[torch.tensor(decode, device=dev)].gather(1, cols).long()
+    pos = first[:, None] * block_size + torch.arange(count * block_size, device=dev)[None, :]  # position read
+    valid = (pos >= begin[:, None]) & (pos < seq[:, None])  # a padded block's positions are all past the end
+    rows = torch.tensor([starts[i] for i in decode], device=dev)
+    return StepPlan(rows, blocks, valid, (~valid).view(-1).nonzero()[:, 0], prefills)
 
 
 def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
                     sliding_window: int | None = None, out: torch.Tensor | None = None,
-                    fp8: torch.dtype | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    codec: RowCodec | None = None, plan: StepPlan | None = None) -> torch.Tensor:
     """query [T, Σ_h d_k(g(h))] -> [T, Σ_h d_v(g(h))]: causal attention of each request's queries over its
     cached tokens (the paged layout above), at the original model's scaling. `sliding_window` W: a query at
-    position i sees keys i − W + 1 … i (Mistral's and transformers' convention). `fp8`, `k_scale`,
-    `v_scale`: how an fp8 cache was written (write_paged)."""
-    sk = sum(d_k)
+    position i sees keys i − W + 1 … i (Mistral's and transformers' convention). `codec`: how the rows were
+    written (write_paged; default: the numbers in the cache's dtype). `plan`: plan_step's for this batch, block
+    size and window (built here when not given)."""
+    codec = codec or NumberRows(sum(d_k))
     blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])  # [num_blocks, block_size, C] (vLLM's has a 1 in between)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    n_out = group * sum(d_v)
+    if plan is None:
+        plan = plan_step(block_table, seq_lens, query_start_loc, blocks.shape[1], sliding_window)
     if out is None:
-        out = query.new_empty(query.shape[0], n_out)
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    other = [i for i, n in enumerate(q_lens) if n > 1]
-    if decode:
-        codec = (fp8, k_scale, v_scale)
-        _decode(query, blocks, block_table, lens, starts, decode, d_k, d_v, group, scaling, sliding_window, sk, out,
-                codec)
-    for i in other:
-        s, t = lens[i], q_lens[i]
+        out = query.new_empty(query.shape[0], group * sum(d_v))
+    if plan.decode_rows is not None:
+        n, count = plan.decode_blocks.shape
+        rows = blocks.index_select(0, plan.decode_blocks.view(-1)).view(n, count * blocks.shape[1], -1)
+        rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN would be NaN
+        k, v = codec.decode(rows, query.dtype)
+        out[plan.decode_rows] = packed_decode(query[plan.decode_rows], k, v, plan.decode_valid, d_k, d_v, group,
+                                              scaling=scaling)
+    for i, first, t, s in plan.prefills:
         begin = 0 if sliding_window is None else max(0, s - t - sliding_window + 1)
         rows = _gather(blocks, block_table[i], begin, s)  # [S', C]
-        q = query[starts[i]:starts[i + 1]]
+        q = query[first:first + t]
         mask = None  # no window: sdpa_attention's own causal mask, aligned to the last query
         if sliding_window is not None:
             qpos = torch.arange(s - t, s, device=q.device)[:, None]
             kpos = torch.arange(begin, s, device=q.device)[None, :]
-            allowed = kpos <= qpos
-            if sliding_window is not None:
-                allowed &= qpos - kpos < sliding_window
-            mask = allowed[None, None]  # [1, 1, t, S']
-        k, v = _decode_rows(rows, sk, q.dtype, fp8, k_scale, v_scale)
+            mask = ((kpos <= qpos) & (qpos - kpos < sliding_window))[None, None]  # [1, 1, t, S']
+        k, v = codec.decode(rows, q.dtype)
         o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, group, scaling=scaling, mask=mask)
-        out[starts[i]:starts[i + 1]] = o[0]
+        out[first:first + t] = o[0]
     return out
-
-
-def _decode(query, blocks, block_table, lens, starts, idx, d_k, d_v, group, scaling, window, sk, out, codec) -> None:
-    """All one-token requests at once: their contexts gathered (padded to the longest) and masked."""
-    dev = query.device
-    seq = torch.tensor([lens[i] for i in idx], device=dev)
-    begin = torch.zeros_like(seq) if window is None else (seq - window).clamp(min=0)
-    span = int((seq - begin).max())
-    bs = blocks.shape[1]
-    # absolute positions read per request: begin … begin + span - 1 (past the end: masked)
-    pos = begin[:, None] + torch.arange(span, device=dev)[None, :]  # [N, span]
-    valid = pos < seq[:, None]
-    pos = torch.where(valid, pos, 0)
-    table = block_table[torch.tensor(idx, device=dev)]
-    slots = table.gather(1, pos // bs).long() * bs + pos % bs  # [N, span]
-    rows = blocks.reshape(-1, blocks.shape[-1])[slots]  # [N, span, C]
-    at = torch.tensor([starts[i] for i in idx], device=dev)  # each request's one query token
-    q = query[at][:, None]  # [N, 1, Σ_h d_k]
-    k, v = _decode_rows(rows, sk, q.dtype, *codec)
-    o = sdpa_attention(q, k, v, d_k, d_v, group, scaling=scaling, mask=valid[:, None, None, :])
-    out[at] = o[:, 0]

@@ -8,10 +8,14 @@ and B (`kvfold_k_post`, [d, Σ_g d_k]) are held block-diagonally ([H·d, Σ_h d_
 checkpoint's compact tensors are scattered into the blocks by their weight loaders.
 
 The layer's `Attention` declares one KV head of width Σd_k / Σd_v and `group` query heads of width Σd_k
-(see kvfold_runtime.vllm.backend): the packed vectors pass through vLLM's reshapes unchanged.
+(see kvfold_runtime.vllm.backend): the packed vectors pass through vLLM's reshapes unchanged. It is vLLM's
+Attention except for the KV cache spec of a bits-format layer (KVFoldAttentionLayer): a page of uint8 rows of
+the layer's band codes and scales, LayerDims.row_bytes() per token.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -21,12 +25,13 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import KVQuantMode
 
 from kvfold_runtime.format import K_POST, Q_POST, LayerDims, head_dim, model_dims
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
 from kvfold_runtime.vllm.errors import refuse
 
-__all__ = ["KVFoldVllmAttention"]
+__all__ = ["KVFoldAttentionLayer", "KVFoldVllmAttention"]
 
 
 def _block_diagonal_loader(head_dim: int, widths: list[int]):
@@ -44,6 +49,25 @@ def _block_diagonal_loader(head_dim: int, widths: list[int]):
             col += w
 
     return load
+
+
+class KVFoldAttentionLayer(Attention):
+    """vLLM's Attention layer whose KV cache spec, for a bits-format layer, is the export's bytes: uint8 rows of
+    Σ LayerDims.row_bytes() (keys' band codes and scales, then values'), so vLLM's page is block_size × those
+    bytes and its own block count gives the capacity. vLLM's spec stays as it is otherwise (its Full or
+    SlidingWindow type and block size; the declared widths, which vLLM's reshapes of q, k, v use), and so does
+    a rank-format layer's whole spec."""
+
+    def __init__(self, *args, kvfold_dims: LayerDims, **kwargs) -> None:
+        super().__init__(*args, kvfold_dims=kvfold_dims, **kwargs)  # kvfold_dims also reaches the backend's impl
+        self.kvfold_row_bytes = sum(kvfold_dims.row_bytes()) if kvfold_dims.banded else None
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if spec is None or self.kvfold_row_bytes is None:
+            return spec
+        return dataclasses.replace(spec, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NONE,
+                                   state_content_bytes=self.kvfold_row_bytes)
 
 
 class KVFoldVllmAttention(nn.Module):
@@ -86,9 +110,10 @@ class KVFoldVllmAttention(nn.Module):
         if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
             sliding_window = config.sliding_window
         # the original model's scale: the short vectors approximate the full head_dim product
-        self.attn = Attention(dims.group, sum(dims.d_k), d**-0.5, num_kv_heads=1, head_size_v=sum(dims.d_v),
-                              cache_config=cache_config, per_layer_sliding_window=sliding_window,
-                              prefix=f"{prefix}.attn", attn_backend=KVFoldAttentionBackend, kvfold_dims=dims)
+        self.attn = KVFoldAttentionLayer(dims.group, sum(dims.d_k), d**-0.5, num_kv_heads=1,
+                                         head_size_v=sum(dims.d_v), cache_config=cache_config,
+                                         per_layer_sliding_window=sliding_window, prefix=f"{prefix}.attn",
+                                         attn_backend=KVFoldAttentionBackend, kvfold_dims=dims)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

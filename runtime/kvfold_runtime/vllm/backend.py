@@ -1,24 +1,32 @@
 """vLLM attention backend `KVFOLD`: attention over vLLM's paged cache at per-KV-head widths.
 
 Each kvfold layer declares itself to vLLM as *one* KV head of width Σ_g d_k (keys) and Σ_g d_v
-(values), `group` query heads of width Σ_g d_k: vLLM then sizes each page as
-block_size × (Σd_k + Σd_v) × bytes — exactly the compressed cache, no padding — and hands this backend
-the layer's tensor [num_blocks, 1, block_size, Σd_k + Σd_v]. The true per-head attention (KV head g
-at its own widths, its `group` query heads) runs on slices of it: the layout is written down in
-kvfold_runtime.kernels.paged, the math is kvfold_runtime.kernels.dispatch.paged: on CUDA the Triton
-kernels (kernels/triton_decode.py, triton_prefill.py), elsewhere and for fp8 caches the torch path
-kernels.paged_attention (any widths, d_k ≠ d_v, prefill, decode and chunked prefill, the model's original
-scaling, sliding windows).
+(values), `group` query heads of width Σ_g d_k, so the packed vectors pass through vLLM's reshapes. Its page
+(block_size rows, no padding) is then:
+- rank format: block_size × (Σd_k + Σd_v) × bytes per number — vLLM's own spec of those widths — and the
+  layer's tensor [num_blocks, 1, block_size, Σd_k + Σd_v];
+- bits format: block_size × row_bytes bytes, row_bytes = Σ LayerDims.row_bytes() (keys' band codes and
+  scales, then values'): the layer (kvfold_runtime.vllm.attention.KVFoldAttentionLayer) declares a uint8
+  spec with `state_content_bytes=row_bytes`, and the tensor is uint8 [num_blocks, 1, block_size, row_bytes].
+vLLM sizes its block pool by those pages: exactly the export's bytes per token. The true per-head attention
+(KV head g at its own widths, its `group` query heads) runs on the rows: the layout and the row codecs (how a
+row is written and read back) are in kvfold_runtime.kernels.paged, the math is
+kvfold_runtime.kernels.dispatch.paged: on CUDA the Triton kernels (kernels/triton_decode.py,
+triton_prefill.py; triton_bits.py for bits caches), elsewhere and for fp8 caches the torch path
+kernels.paged_attention (any widths, d_k ≠ d_v, prefill, decode and chunked prefill, prefix caching, the
+model's original scaling, sliding windows), which decodes only the blocks it reads; what a step's batch reads
+(its StepPlan) is made by the step's first layer and kept in the step's metadata for the others.
 
-The per-head widths reach the implementation through the layer (`kvfold_dims=` extra argument of
-vLLM's Attention). The cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
+The per-head widths and bands reach the implementation through the layer (`kvfold_dims=` extra argument of
+vLLM's Attention). A rank layer's cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
 "fp8_e5m2" one byte per number (the layer's k/v scales, 1.0 unless the checkpoint or vLLM sets them), so
-the two savings compose: (1 − p) / 2 of the fp16 bytes.
+the two savings compose: (1 − p) / 2 of the fp16 bytes. A bits layer's cache holds its band codes as the
+export defines them, whatever kv_cache_dtype says ("auto" only: the model class refuses the others).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -32,7 +40,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels import write_paged
+from kvfold_runtime.kernels import row_codec, write_paged
 from kvfold_runtime.kernels.dispatch import paged
 from kvfold_runtime.vllm.errors import refuse
 
@@ -52,6 +60,8 @@ class KVFoldMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens]
     max_query_len: int  # grid sizes for the kernels, known to vLLM without a host sync
     max_seq_len: int
+    # the torch path's StepPlan per (block size, window), made by the step's first layer, read by the others
+    plans: dict = field(default_factory=dict)
 
 
 class KVFoldMetadataBuilder(AttentionMetadataBuilder[KVFoldMetadata]):
@@ -79,6 +89,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         if alibi_slopes is not None or logits_soft_cap or attn_type != AttentionType.DECODER:
             raise refuse("the kvfold backend serves causal decoder attention without ALiBi or soft-capping")
         dims = kvfold_dims
+        assert not (dims.banded and kv_cache_dtype != "auto"), "the model class refuses it (vllm/models.py)"
         assert num_kv_heads == 1 and num_heads == dims.group, "kvfold layers declare one packed KV head"
         assert head_size == sum(dims.d_k), "declared key width must be Σ d_k"
         self.dims, self.d_k, self.d_v = dims, list(dims.d_k), list(dims.d_v)
@@ -90,10 +101,15 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
 
+    def _codec(self, layer):
+        """How this layer's rows are stored: its band codes (bits format), or its numbers in the model's dtype or
+        fp8 at the layer's k/v scales."""
+        return row_codec(self.dims, self.fp8, layer._k_scale_float, layer._v_scale_float)
+
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        write_paged(kv_cache, slot_mapping, key, value, fp8=self.fp8, k_scale=layer._k_scale_float,
-                    v_scale=layer._v_scale_float)
+        """key [T, 1, Σd_k], value [T, 1, Σd_v] in the model's dtype -> one row per token at its slot."""
+        write_paged(kv_cache, slot_mapping, key, value, codec=self._codec(layer))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KVFoldMetadata | None, output: torch.Tensor, output_scale=None,
@@ -109,9 +125,8 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         out = output[:n].view(n, -1)
         meta = attn_metadata
         paged(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, self.d_k, self.d_v, self.dims.group,
-              scaling=self.scale, sliding_window=self.sliding_window, out=out, fp8=self.fp8,
-              k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, max_query_len=meta.max_query_len,
-              max_seq_len=meta.max_seq_len)
+              scaling=self.scale, sliding_window=self.sliding_window, out=out, codec=self._codec(layer),
+              max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans)
         return output
 
 

@@ -7,7 +7,12 @@ family only in its QKV/O biases and QK-norm. Every other KVFold<Arch> name that 
 registered too, as a class that stops at load with one line naming what vLLM can serve.
 
 Weights load through vLLM's loaders: q/k/v_proj stack into one fused projection (its three widths are
-the full q and k and the compressed v), the post-RoPE tensors go through block-diagonal loaders.
+the full q and k and the compressed v), the post-RoPE tensors go through block-diagonal loaders. Rank- and
+bits-format exports build the same model; a bits export's layers cache their band codes (one uint8 row of
+LayerDims.row_bytes() per token, kvfold_runtime.vllm.attention.KVFoldAttentionLayer). Before any weight is
+read, the model class checks the export (`_check`): its files, its kvfold block, its attention tensors'
+shapes against the block's widths (safetensors headers only), and that a bits export's cache is not given
+a kv_cache_dtype (its codes are not quantized again).
 """
 
 from __future__ import annotations
@@ -15,13 +20,12 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from vllm.compilation.decorators import ignore_torch_compile
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import WeightsMapper
 
 from kvfold_runtime.export import check_export
 from kvfold_runtime.families import FAMILIES
-from kvfold_runtime.format import model_dims, runtime_class_name
+from kvfold_runtime.format import K_POST, Q_POST, ConfigBlock, LayerDims, head_dim, model_dims, runtime_class_name
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
 
@@ -29,23 +33,58 @@ __all__ = ["SERVED"]
 
 
 def _check(vllm_config) -> None:
-    """Before any weight is read: the export's files (sha256 vs its manifest) and its kvfold block."""
+    """Before any weight is read: the export's files (sha256 vs its manifest), its kvfold block, its tensors'
+    shapes, and the cache dtype a bits-format export is served with."""
     model_config = vllm_config.model_config
+    folder = Path(model_config.model)
     try:
-        if Path(model_config.model).is_dir():
-            check_export(model_config.model)
+        if folder.is_dir():
+            check_export(folder)
         dims = model_dims(model_config.hf_config)
     except ValueError as e:
         raise refuse(str(e)) from None
-    if any(d.banded for d in dims):
-        raise refuse("kvfold's vLLM plugin does not serve bits-format exports yet (their cache stores bit "
-                     "bands); serve it with transformers, or export with --format rank")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if any(d.banded for d in dims) and cache_dtype != "auto":
+        raise refuse(f"a bits-format export's cache stores its band codes and scales as they are; "
+                     f"kv_cache_dtype={cache_dtype!r} would quantize those bytes again: serve it with "
+                     "kv_cache_dtype='auto' (drop --kv-cache-dtype)")
+    if folder.is_dir():
+        _check_shapes(folder, model_config.hf_config, dims)
 
 
-# Runs eagerly: vLLM's torch.compile analyses the opaque attention op by dispatching every torch call
-# inside it through Python, and the torch path's many small per-head ops made the CPU engine's first
-# profiling run take over 15 minutes (SmolLM2) instead of seconds. GPU kernels are one op each.
-@ignore_torch_compile
+def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the folder's safetensors files, read from their headers (no weight is read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    return shapes
+
+
+def _check_shapes(folder: Path, config, dims: list[LayerDims]) -> None:
+    """Each layer's compressed tensors (stored [out, in]) have the widths of config.json's kvfold block — for a
+    bits-format export the widths its band table (k_bits / v_bits) keeps."""
+    shapes = _tensor_shapes(folder)
+    d, hidden = head_dim(config), config.hidden_size
+    post_rope = ConfigBlock.from_config(config).post_rope_projections
+    for i, layer in enumerate(dims):
+        want = {"v_proj.weight": (sum(layer.d_v), hidden), "o_proj.weight": (hidden, layer.out_width)}
+        if post_rope:
+            want |= {K_POST: (d, sum(layer.d_k)), Q_POST: (d, layer.q_width)}
+        for suffix, shape in want.items():
+            name = f"model.layers.{i}.self_attn.{suffix}"
+            if shapes.get(name) != shape:
+                table = "band table (k_bits / v_bits)" if layer.banded else "ranks (d_k / d_v)"
+                got = "is missing" if name not in shapes else f"has shape {list(shapes[name])}"
+                raise refuse(f"{name} {got}, config.json's kvfold {table} gives {list(shape)}: the export is corrupt "
+                             "or was edited; re-export the model (`kvfold verify` names every difference)")
+
+
+# Compiled by vLLM like its own Llama (torch.compile; on CPU with inductor): the attention runs inside vLLM's
+# opaque custom op (unified_attention_with_output), so compilation never traces kvfold's Python attention; the
+# fused projections, RoPE, the post-RoPE projections, norms and MLP compile as the original's do.
 class _KVFoldLlamaModel(LlamaModel):
     # vLLM's Llama maps q/k/v_proj onto QKVParallelLinear's named shards; kvfold's fused projection is a
     # MergedColumnParallelLinear (its v width is not a multiple of the head size), addressed by index.

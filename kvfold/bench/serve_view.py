@@ -1,0 +1,93 @@
+"""`kvfold-bench serve` shown: a table on stderr and the PNG (matplotlib, the `bench` extra, imported only
+when drawing): KV token capacity and tokens/s per configuration, two bar panels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["draw", "serve_table"]
+
+
+def _fmt(value, spec: str = ",") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def serve_table(report: dict) -> Table:
+    """One row per configuration: whether it runs, vLLM's capacity, bytes per token, the ratio to the
+    original's capacity, and, where measured, peak running requests, the tokens/s of each workload and the
+    probe's figures (columns no configuration has are left out: --workload none shows capacity only)."""
+    def row(c: dict) -> dict:
+        limited, long, probe = c.get("cache_limited") or {}, c.get("long_context") or {}, c.get("probe") or {}
+        ppl = probe.get("ppl_ratio")
+        return {"runs": "yes" if c["runs"] else "[red]no[/red]", "KV tokens": _fmt(c.get("kv_token_capacity")),
+                "B/token": _fmt(c.get("bytes_per_token"), ",.0f"),
+                "× orig.": _fmt((c.get("vs_original") or {}).get("kv_token_capacity"), ".3f"),
+                "peak run": _fmt(limited.get("peak_running_requests")),
+                "gen tok/s": _fmt(limited.get("generated_tokens_per_s"), ",.1f"),
+                "decode tok/s": _fmt(long.get("decode_tokens_per_s"), ",.1f"),
+                "probe top-1": _fmt(probe.get("top1_agreement"), ".3f"),
+                "ppl ×": _fmt(ppl, ",.0f" if ppl is not None and ppl >= 100 else ".3f")}
+
+    rows = {name: row(c) for name, c in report["configurations"].items()}
+    columns = [k for k in next(iter(rows.values())) if k in ("runs", "KV tokens", "× orig.")
+               or any(r[k] != "-" for r in rows.values())]
+    table = Table(title=f"vLLM, {report['kv_cache_mib']} MiB of KV cache each, {report['dtype']}; probe: "
+                  "teacher-forced top-1 agreement and perplexity ratio against kv_cache_dtype=auto")
+    table.add_column("configuration", no_wrap=True)
+    for name in columns:  # numbers whole even in a narrow console (a log, a pipe: 80 columns)
+        widest = max(Text.from_markup(r[name]).cell_len for r in rows.values())
+        table.add_column(name, justify="right", min_width=widest)
+    for name, r in rows.items():
+        table.add_row(name, *(r[k] for k in columns))
+    return table
+
+
+def draw(report: dict, path: Path) -> None:
+    """Top: KV token capacity per configuration (× the original's on each bar; a configuration that does
+    not run on this build hatched, its capacity only what vLLM allocated). Bottom: generated tokens/s of the
+    cache-limited workload and decode tokens/s of the long-context one."""
+    from kvfold.bench.frontier.plot import pyplot
+
+    plt = pyplot()
+    configs = report["configurations"]
+    names = list(configs)
+    xs = range(len(names))
+    fig, (cap, speed) = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(names) + 3), 10))
+    for x, name in zip(xs, names, strict=True):
+        c = configs[name]
+        color = {"original": "#7f7f7f", "export": "#d62728"}.get(c["kind"], "#1f77b4")
+        capacity = c.get("kv_token_capacity") or 0
+        cap.bar(x, capacity, color=color if c["runs"] else "white", edgecolor=color, hatch=None if c["runs"] else "//")
+        ratio = c.get("vs_original", {}).get("kv_token_capacity")
+        label = "" if ratio is None else f"{ratio:.2f}×"
+        cap.annotate(label if c["runs"] else f"{label}\ndoes not run", (x, capacity), ha="center", va="bottom",
+                     fontsize=8)
+    width = 0.4
+    series = [("cache_limited", "generated_tokens_per_s", "generated tok/s, cache-limited workload", -width / 2),
+              ("long_context", "decode_tokens_per_s", "decode tok/s, batch 1 at long context", width / 2)]
+    for workload, key, label, shift in series:
+        ys = [(configs[n].get(workload) or {}).get(key) for n in names]
+        if any(y is not None for y in ys):
+            speed.bar([x + shift for x in xs], [y or 0 for y in ys], width, label=label)
+    for x, name in zip(xs, names, strict=True):
+        if not configs[name]["runs"]:
+            speed.annotate("does not run", (x, 0), xytext=(0, 4), textcoords="offset points", ha="center",
+                           va="bottom", fontsize=8, rotation=90)
+    w = report["workloads"]
+    shapes = [f"{s.get('requests', 1)} × ({s['prompt_tokens']} + {s['new_tokens']})"
+              for s in (w.get("cache_limited"), w.get("long_context")) if s is not None]
+    cap.set_title(f"KV token capacity in {report['kv_cache_mib']} MiB (vLLM's blocks × block size)")
+    speed.set_title(f"tokens/s: {'; '.join(shapes)}" if shapes else "tokens/s: no workload run (--workload none)")
+    for ax in (cap, speed):
+        ax.set_xticks(list(xs), names, fontsize=8, rotation=30, ha="right")
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.12)
+    if speed.get_legend_handles_labels()[0]:
+        speed.legend(fontsize=8)
+    fig.suptitle(f"kvfold-bench serve: vLLM, {report['dtype']}, the same KV budget for every configuration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,59 @@
+"""The CPU path's table-driven band decoder (kernels/torch_bits.py) gives exactly decode_heads' values — on rows
+encode_heads wrote and on arbitrary bytes (a freed block's), for every band width and both scale formats — and
+the paged torch path's per-step plan is made once per step and reused by the step's other layers."""
+
+import pytest
+import torch
+
+from kvfold_runtime import BandRows, write_paged
+from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.kernels import dispatch, torch_bits
+from kvfold_runtime.kernels.torch_bits import decode_rows
+from tests.runtime.test_triton_bits import LAYERS
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("lead", [(50,), (3, 17)])
+def test_decode_rows_equals_decode_heads(layer, lead):
+    dims = LAYERS[layer]
+    g = torch.Generator().manual_seed(len(lead))
+    for widths, bands in ((dims.d_k, dims.k_bands), (dims.d_v, dims.v_bands)):
+        rows = encode_heads(torch.randn(*lead, sum(widths), generator=g) * 3, widths, bands)
+        assert torch.equal(decode_rows(rows, widths, bands, torch.float32),
+                           decode_heads(rows, widths, bands, torch.float32))
+        assert torch.equal(decode_rows(rows, widths, bands, torch.bfloat16),
+                           decode_heads(rows, widths, bands, torch.bfloat16))
+        junk = torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=g)  # NaN and inf halves included
+        want = decode_heads(junk, widths, bands, torch.float32)
+        assert torch.equal(decode_rows(junk, widths, bands, torch.float32).nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_the_eager_decoder_gives_the_same_values(monkeypatch):
+    """Where inductor cannot compile (no C++ compiler), the eager ops run: same values."""
+    dims = LAYERS["uneven"]
+    rows = encode_heads(torch.randn(9, sum(dims.d_k)), dims.d_k, dims.k_bands)
+    monkeypatch.setitem(torch_bits._compiled, "failed", True)
+    assert torch.equal(decode_rows(rows, dims.d_k, dims.k_bands, torch.float32),
+                       decode_heads(rows, dims.d_k, dims.k_bands, torch.float32))
+
+
+def test_a_steps_plan_is_made_once_and_read_by_every_layer():
+    dims = LAYERS["uneven"]
+    codec, bs = BandRows(dims), 4
+    kv = torch.zeros(12, 1, bs, sum(dims.row_bytes()), dtype=torch.uint8)
+    table = torch.arange(1, 11, dtype=torch.int32).view(2, 5)
+    lens, starts = torch.tensor([9, 14]), torch.tensor([0, 1, 2])
+    slots = torch.cat([table[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for r, n in enumerate(lens.tolist())])
+    write_paged(kv, slots, torch.randn(23, sum(dims.d_k)), torch.randn(23, sum(dims.d_v)), codec=codec)
+    q = torch.randn(2, dims.group * sum(dims.d_k))
+    plans = {}
+    args = (q, kv, table, lens, starts, list(dims.d_k), list(dims.d_v), dims.group)
+    first = dispatch.paged(*args, scaling=0.3, codec=codec, plans=plans)
+    assert list(plans) == [(bs, None)]
+    made = plans[(bs, None)]
+    again = dispatch.paged(*args, scaling=0.3, codec=codec, plans=plans)
+    assert plans[(bs, None)] is made and torch.equal(first, again)
+    assert torch.equal(first, dispatch.paged(*args, scaling=0.3, codec=codec))  # no plans kept: the same
+    dispatch.paged(*args, scaling=0.3, codec=codec, plans=plans, sliding_window=5)
+    assert set(plans) == {(bs, None), (bs, 5)}
