@@ -52,8 +52,7 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 def _why(output: str) -> str:
     """The root cause, or that vLLM's worker died (a crash leaves only its engine's "cancelled" behind)."""
     crash = re.search(r"Worker proc \S+ died unexpectedly \(exit code: (-?\d+)\)", output)
-    # exit code 0: the worker left cleanly as the engine shut down after the real error (seen under load)
-    if crash is None or "kvfold: " in output or int(crash.group(1)) == 0:
+    if crash is None or "kvfold: " in output:
         return root_cause(output)
     code = int(crash.group(1))
     return f"vLLM's worker process died (exit code {code}{', a segmentation fault' if code == -11 else ''})"

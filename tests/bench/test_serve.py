@@ -226,9 +226,10 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path):
     half = configs["bfloat16"]
     assert not half["runs"] and "cache_limited" not in half
     # vLLM's CPU kernel reads the 2-byte cache as float32, past the end of its tensor: wrong values (the probe
-    # says so) or, depending on what lies beyond, a segmentation fault (seen 2026-11-25) — both reported
+    # says so) or, depending on what lies beyond, its worker dies (seen 2026-11-25: a segmentation fault, or exit
+    # code 0 with the engine cancelled) — each reported as not running, with why
     if "error" in half:
-        assert "segmentation fault" in half["reason"], half
+        assert half["reason"].startswith("the engine failed: "), half
     else:
         assert not reads_back(half["probe"]) and half["probe"]["top1_agreement"] < 0.5
         assert "CPU attention declares only auto" in half["reason"]
