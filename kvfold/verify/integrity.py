@@ -8,14 +8,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
 from kvfold.verify.report import Check
 from kvfold.verify.runtime import require_runtime
-from kvfold_runtime import MANIFEST, ConfigBlock, runtime_class_name
+from kvfold_runtime import MANIFEST, ConfigBlock, runtime_class_name, tensor_shapes
 
 __all__ = ["integrity_checks"]
 
@@ -75,10 +74,7 @@ def _shapes(directory: Path, m: Manifest) -> Check:
         expected, tied = _expected_shapes(directory, m)
     except ValueError as e:  # the manifest's ranks do not fit the model (e.g. a layer or head missing)
         return Check("shapes", False, str(e))
-    found: dict[str, tuple[int, ...]] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            found |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    found = tensor_shapes(directory)
     problems = [f"{k} is missing" for k in sorted(set(expected) - set(found) - tied)]
     problems += [f"{k} is unexpected" for k in sorted(set(found) - set(expected))]
     problems += [f"{k} has shape {list(found[k])}, the manifest's ranks give {list(s)}"

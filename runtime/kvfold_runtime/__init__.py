@@ -3,6 +3,7 @@
 `import kvfold_runtime` registers the KVFold<Arch> classes with transformers' Auto classes, so
 `AutoModelForCausalLM.from_pretrained(EXPORTED_DIR)` returns a model whose cache stores the
 compressed keys and values. Public API: `register`, `runtime_class`, `kv_cache_bytes`, `check_export`,
+`tensor_shapes` (an export's tensor shapes from its safetensors headers),
 `reference_attention`, `sdpa_attention`, `paged_attention`, `write_paged` (with the row codecs of a paged
 cache, `row_codec`, `NumberRows` / `BandRows`: a layer's numbers, or its band codes), `attention` (the
 dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and the Triton kernels
@@ -35,7 +36,7 @@ from kvfold_runtime.bands import Band, bands_from_bits
 from kvfold_runtime.bands import roundtrip as band_roundtrip
 from kvfold_runtime.bands import row_bytes as band_row_bytes
 from kvfold_runtime.cache import kv_cache_bytes
-from kvfold_runtime.export import check_export
+from kvfold_runtime.export import check_export, tensor_shapes
 from kvfold_runtime.families import FAMILIES, Family
 from kvfold_runtime.format import (
     K_POST,
@@ -69,7 +70,7 @@ __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_PO
            "check_schema", "decode_attention", "head_dim", "kernels_for", "kv_cache_bytes", "model_dims",
            "paged_attention", "paged_bits_attention", "paged_decode_attention", "paged_prefill_attention",
            "prefill_attention", "reference_attention", "register", "row_codec", "runtime_class", "runtime_class_name",
-           "sdpa_attention", "write_paged"]
+           "sdpa_attention", "tensor_shapes", "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
            "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill",

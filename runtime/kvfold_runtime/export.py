@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvfold_runtime.format import MANIFEST, ConfigBlock, check_schema
 
-__all__ = ["check_export"]
+__all__ = ["check_export", "tensor_shapes"]
 
 
 def _sha256(path: Path) -> str:
@@ -25,6 +25,17 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def tensor_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the folder's safetensors files, read from their headers (no weight is read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    return shapes
 
 
 def check_export(folder: str | Path) -> dict:

@@ -2,9 +2,10 @@
 the paged layout that vLLM's block tables address, and the row codecs that store its rows — numbers in the
 model's dtype or fp8, or a bits-format layer's band codes: see kvfold_runtime.kernels.paged).
 
-reference.py is the oracle; torch_sdpa.py and paged.py the torch path (CPU, and fallbacks);
-triton_decode.py / triton_prefill.py the GPU kernels (triton_common.py: their shared host-side checks and
-tables); dispatch.py picks one per call (KVFOLD_KERNELS)."""
+reference.py is the oracle; torch_sdpa.py and paged.py the torch path (CPU, and fallbacks; torch_decode.py its
+batched decode, torch_bits.py its reader of band codes);
+triton_decode.py / triton_prefill.py / triton_bits.py the GPU kernels (triton_common.py: their shared host-side
+checks and tables); dispatch.py picks one per call (KVFOLD_KERNELS)."""
 
 from kvfold_runtime.kernels.dispatch import attention, kernels_for
 from kvfold_runtime.kernels.paged import BandRows, NumberRows, RowCodec, paged_attention, row_codec, write_paged

@@ -89,12 +89,15 @@ def paged_kernels_for(x: torch.Tensor, codec: RowCodec | None) -> str:
 
 def _plan(plans: dict | None, block_table, seq_lens, query_start_loc, block_size: int,
           window: int | None) -> StepPlan:
+    """The step's StepPlan: made once and kept in `plans` (when given) for the step's other layers."""
+    def make() -> StepPlan:
+        return plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), block_size, window)
+
+    if plans is None:
+        return make()
     key = (block_size, window)
-    if plans is None or key not in plans:
-        plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), block_size, window)
-        if plans is None:
-            return plan
-        plans[key] = plan
+    if key not in plans:
+        plans[key] = make()
     return plans[key]
 
 

@@ -13,8 +13,8 @@ The paged layout — one layout for the vLLM backend, this torch path and the GP
     encode_heads(keys) ++ encode_heads(values) (kvfold_runtime.bands: per head its band codes, then its
     one-byte scales) — exactly the export's bytes per token, the transformers runtime's cache byte for byte.
 So a page holds block_size rows: the KV pool shrinks by exactly what the export saves. Attention decodes only
-the rows it gathers (the slots of the requests in the batch), to the query's dtype, then runs the same math
-for every codec. Queries and outputs keep the contiguous packed layouts of kvfold_runtime.format
+the blocks it reads (those of the requests in the batch), to the query's dtype, then runs the same math for
+every codec. Queries and outputs keep the contiguous packed layouts of kvfold_runtime.format
 ([T, Σ_h d_k(g(h))], [T, Σ_h d_v(g(h))]).
 
 Requests are described as vLLM does: query_start_loc [R + 1] (their query tokens, concatenated), seq_lens [R]

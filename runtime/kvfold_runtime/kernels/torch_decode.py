@@ -4,9 +4,11 @@ CPU torch path: every head at once, no per-head loop.
 Head h's query (width d_k(g), g = h // group) is placed in its KV head's columns of a zero row of width Σd_k, so
 one [N, H, Σd_k] × [N, Σd_k, S] product gives every head's scores (the zeros add nothing: head h sees only keys
 of its own KV head g); likewise one [N, H, S] × [N, S, Σd_v] product gives every head's weighted values, of which
-head h keeps its own KV head's d_v(g) columns. The products do G× (KV heads) the useful multiply-adds, which a
-decode step — bound by reading the cache, not by arithmetic — does not notice, and G small per-head calls cost
-more on a CPU than the waste. Prefill, which is bound by arithmetic, keeps sdpa_attention's per-head calls.
+head h keeps its own KV head's d_v(g) columns. The products do G× (KV heads) the useful multiply-adds. Against
+sdpa_attention's G per-head calls (SmolLM2's widths, 3 KV heads, measured 2026-11-25 on a busy 2-core CPU, per
+layer call): 0.57 against 1.12 ms at 16 sequences × 320 tokens, 2.58 against 3.78 ms at 4 × 4,096, but 2.38
+against 2.02 ms at 32 × 512; in the engine the two were within 2% of each other. Prefill, which is bound by
+arithmetic, keeps sdpa_attention's per-head calls.
 """
 
 from __future__ import annotations

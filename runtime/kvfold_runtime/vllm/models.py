@@ -23,7 +23,7 @@ from pathlib import Path
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import WeightsMapper
 
-from kvfold_runtime.export import check_export
+from kvfold_runtime.export import check_export, tensor_shapes
 from kvfold_runtime.families import FAMILIES
 from kvfold_runtime.format import K_POST, Q_POST, ConfigBlock, LayerDims, head_dim, model_dims, runtime_class_name
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
@@ -52,21 +52,10 @@ def _check(vllm_config) -> None:
         _check_shapes(folder, model_config.hf_config, dims)
 
 
-def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape in the folder's safetensors files, read from their headers (no weight is read)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    return shapes
-
-
 def _check_shapes(folder: Path, config, dims: list[LayerDims]) -> None:
     """Each layer's compressed tensors (stored [out, in]) have the widths of config.json's kvfold block — for a
     bits-format export the widths its band table (k_bits / v_bits) keeps."""
-    shapes = _tensor_shapes(folder)
+    shapes = tensor_shapes(folder)
     d, hidden = head_dim(config), config.hidden_size
     post_rope = ConfigBlock.from_config(config).post_rope_projections
     for i, layer in enumerate(dims):
