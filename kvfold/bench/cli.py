@@ -41,9 +41,12 @@ def frontier(
     model: Annotated[list[str] | None, typer.Option(help="Models to sweep, in order [smollm2, smollm2-mha].")] = None,
     method: Annotated[list[str] | None, typer.Option(help="Methods [all on the first model; kvfold and the "
                                                      "peers, no ablations, on the others].")] = None,
-    accuracy: Annotated[float, typer.Option(help="The top-1 ratio the compression is read off at.")] = 0.99,
-    eval_text: Annotated[str, typer.Option(help="Held-out text every point is scored on.")] = "wiki:eval",
-    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text, in windows of --context.")] = 6144,
+    accuracy: Annotated[float, typer.Option(help="The accuracy A the compression is read off at: top-1 ratio ≥ A "
+                                            "(and, joint, perplexity ratio ≤ 1/A on every text).")] = 0.99,
+    eval_text: Annotated[str, typer.Option(help="Held-out text every point is scored on; a mixture A+B is also "
+                                           "scored per text.")] = "wiki:eval+pydoc:eval",
+    eval_tokens: Annotated[int, typer.Option(help="Tokens of --eval-text (all texts together), in windows of "
+                                             "--context.")] = 12288,
     context: Annotated[int, typer.Option(help="Window length every point is scored in (calibration stays at "
                                          "512).")] = 512,
     passkey: Annotated[int, typer.Option(help="Also passkey retrieval in prompts of this many tokens: the original "

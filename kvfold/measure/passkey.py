@@ -24,7 +24,7 @@ from torch import nn
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_hits", "passkey_length", "passkey_prompts", "passkey_summary"]
+__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_answers", "passkey_hits", "passkey_length", "passkey_prompts", "passkey_summary"]
 
 INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -71,21 +71,45 @@ def passkey_length(model: nn.Module, context: int) -> int:
     return min(context, getattr(model.config.get_text_config(), "max_position_embeddings", None) or context)
 
 
-def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:
-    """Whether greedy decoding after each prompt's question writes its key (one forward pass each, the
-    logits only at the answer's positions)."""
-    hits = []
+def passkey_answers(model: nn.Module, prompts: list[PasskeyPrompt]) -> tuple[list[bool], list[float]]:
+    """Per prompt: whether greedy decoding after its question writes its key, and the answer's mean NLL per
+    token in nats (teacher-forced, the same forward pass). The count sits at a small model's noise floor —
+    SmolLM2's answers win by 0.26–1.4 nats — so the NLL is what tells two nearby caches apart."""
+    hits, nlls = [], []
     with torch.inference_mode():
         for p in prompts:
             ids = p.ids[None].to(model.device)
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1]
-            hits.append(bool(torch.equal(logits.argmax(-1).cpu(), p.ids[-p.answer:])))
-    return hits
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1].float().cpu()
+            answer = p.ids[-p.answer:]
+            hits.append(bool(torch.equal(logits.argmax(-1), answer)))
+            nlls.append(float(torch.nn.functional.cross_entropy(logits, answer)))
+    return hits, nlls
 
 
-def passkey_summary(prompts: list[PasskeyPrompt], hits: list[bool]) -> dict:
-    """Retrieved keys in all and per depth, for reports."""
+def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:
+    """Whether greedy decoding after each prompt's question writes its key (one forward pass each, the
+    logits only at the answer's positions)."""
+    return passkey_answers(model, prompts)[0]
+
+
+def passkey_summary(prompts: list[PasskeyPrompt], hits: list[bool], nlls: list[float] | None = None,
+                    against: list[float] | None = None) -> dict:
+    """Retrieved keys in all and per depth, for reports; with `nlls` the answers' mean NLL ± its standard error
+    over the prompts, and with `against` (the original's NLLs on the same prompts) the paired difference
+    ± its standard error: > 0 means the answers lost probability."""
     depths = sorted({p.depth for p in prompts})
+    extra = {}
+    if nlls:
+        extra = {"answer_nll": _mean_se(nlls)}
+        if against:
+            extra["answer_nll_change"] = _mean_se([a - b for a, b in zip(nlls, against, strict=True)])
     return {"context": len(prompts[0].ids) if prompts else 0, "prompts": len(prompts), "retrieved": sum(hits),
             "by_depth": {f"{d:g}": sum(h for p, h in zip(prompts, hits, strict=True) if p.depth == d)
-                         for d in depths}}
+                         for d in depths}, **extra}
+
+
+def _mean_se(xs: list[float]) -> dict:
+    n = len(xs)
+    mean = sum(xs) / n
+    se = (sum((x - mean) ** 2 for x in xs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+    return {"mean": round(mean, 4), "se": round(se, 4)}

@@ -13,7 +13,7 @@ from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.measure.evaluate import Reference, score_model
-from kvfold.measure.passkey import passkey_hits, passkey_length, passkey_prompts, passkey_summary
+from kvfold.measure.passkey import passkey_answers, passkey_length, passkey_prompts, passkey_summary
 from kvfold.plan.point import Point
 from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
@@ -144,8 +144,11 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
     except KVFoldError as e:
         report.passkey = {"skipped": f"the model's context of {context} tokens is too short ({e})"}
         return
-    hits = {"original": passkey_hits(original, prompts), "exported": passkey_hits(served, prompts)}
-    report.passkey = {k: passkey_summary(prompts, h) for k, h in hits.items()}
+    (orig_hits, orig_nll), (exp_hits, exp_nll) = passkey_answers(original, prompts), passkey_answers(served, prompts)
+    hits = {"original": orig_hits, "exported": exp_hits}
+    # beside the counts, the answers' NLL (and the export's change against the original, paired by prompt)
+    report.passkey = {"original": passkey_summary(prompts, orig_hits, orig_nll),
+                      "exported": passkey_summary(prompts, exp_hits, exp_nll, against=orig_nll)}
     lost = sum(a and not b for a, b in zip(hits["original"], hits["exported"], strict=True))
     n, got = len(prompts), {k: sum(h) for k, h in hits.items()}
     depths = ", ".join(report.passkey["exported"]["by_depth"])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
 
 from kvfold.bench.cli import app
-from kvfold.bench.frontier.sweep import Point, at_target
+from kvfold.bench.frontier.sweep import Point, at_target, meets
 
 
 def _p(kv: float, ratio: float) -> Point:
@@ -37,6 +38,19 @@ def test_the_joint_target_stops_at_whichever_bound_fails_first():
     assert at_target([q(0.9, 0.98, 1.0)], 0.99, None, joint=True) == 1.0
 
 
+def test_the_target_holds_only_where_it_holds_on_every_text_of_the_mixture():
+    def q(kv, top1, ppl, parts=()):
+        return Point(knob=0.0, kv_fraction=kv, top1_ratio=top1, top1_se=0.0, ppl_ratio=ppl, parts=parts)
+
+    # pooled, both points pass; the second text's perplexity crosses 1/0.99 between them
+    pts = [q(0.9, 0.999, 1.002, (q(0.9, 0.999, 1.001), q(0.9, 0.999, 1.006))),
+           q(0.8, 0.995, 1.008, (q(0.8, 0.995, 1.002), q(0.8, 0.995, 1.0141)))]
+    t = (1 / 0.99 - 1.006) / (1.0141 - 1.006)
+    assert at_target(pts, 0.99, None, joint=True) == pytest.approx(0.9 - 0.1 * t)
+    assert at_target([replace(p, parts=()) for p in pts], 0.99, None, joint=True) == 0.8  # pooled alone: passes
+    assert meets(pts[0], 0.99) and not meets(pts[1], 0.99) and meets(pts[1], 0.99, joint=False)
+
+
 def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     model = str(tiny_dirs["LlamaForCausalLM"])
     out, png = tmp_path / "f.json", tmp_path / "f.png"
@@ -52,6 +66,9 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     assert [r["name"] for r in m["methods"]] == ["fp8", "kvfold+fp8", "think"]  # fp8 added: the origin
     for row in m["methods"]:
         assert row["points"] and all(0 < p["kv_fraction"] <= 1 for p in row["points"])
+        # scored on wiki:eval+pydoc:eval by default: each point also per text, the target read on every one
+        assert all(len(p["parts"]) == 2 for p in row["points"])
+    assert report["eval_text"] == "wiki:eval+pydoc:eval" and "each of its texts" in report["joint_target"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "f.png"]  # no temp files left
 
@@ -74,6 +91,11 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     assert m["passkey_original"]["prompts"] == 10 and 1000 < m["passkey_original"]["context"] <= 1024
     (fp8,) = m["methods"]
     assert fp8["passkey_at_best_passing"]["kv_fraction"] == 0.5 and fp8["passkey_at_best_passing"]["prompts"] == 10
+    # beside the count, the answers' NLL: the original's, and the method's change against it, paired by prompt
+    assert set(m["passkey_original"]["answer_nll"]) == {"mean", "se"}
+    assert "answer_nll_change" not in m["passkey_original"]
+    change = fp8["passkey_at_best_passing"]["answer_nll_change"]
+    assert change["se"] > 0 and abs(change["mean"]) < 1
 
 
 @pytest.mark.parametrize("args, message", [

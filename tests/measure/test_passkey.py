@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvfold.errors import KVFoldError
-from kvfold.measure.passkey import DEPTHS, FILLER, PasskeyPrompt, passkey_hits, passkey_prompts, passkey_summary
+from kvfold.measure.passkey import (DEPTHS, FILLER, PasskeyPrompt, passkey_answers, passkey_hits, passkey_prompts,
+                                    passkey_summary)
 from tests.conftest import build_tiny, tiny_tokenizer
 
 
@@ -40,3 +41,21 @@ def test_one_forward_pass_scores_a_prompt_as_greedy_decoding_would():
     assert passkey_hits(model, [right, *wrong]) == [True] + [False] * prompt.answer
     summary = passkey_summary([right, *wrong], [True] + [False] * prompt.answer)
     assert summary["retrieved"] == 1 and summary["by_depth"] == {f"{prompt.depth:g}": 1}
+
+
+def test_the_answers_nll_is_the_mean_cross_entropy_of_its_tokens_and_compares_by_prompt():
+    model = build_tiny("LlamaForCausalLM")
+    prompts = passkey_prompts(tiny_tokenizer(), 512)[:3]
+    hits, nlls = passkey_answers(model, prompts)
+    assert hits == passkey_hits(model, prompts)
+    with torch.inference_mode():
+        for p, nll in zip(prompts, nlls, strict=True):
+            logits = model(input_ids=p.ids[None]).logits[0, -p.answer - 1 : -1]  # the full pass, every position
+            want = -logits.log_softmax(-1).gather(-1, p.ids[-p.answer:, None]).mean()
+            assert nll == pytest.approx(float(want), rel=1e-5)
+    worse = [x + 0.5 * i for i, x in enumerate(nlls)]
+    summary = passkey_summary(prompts, hits, worse, against=nlls)
+    mean = sum(worse) / 3
+    assert summary["answer_nll"]["mean"] == pytest.approx(mean, abs=1e-4)
+    assert summary["answer_nll_change"] == {"mean": 0.5, "se": pytest.approx(0.5 / 3**0.5, abs=1e-4)}  # 0, .5, 1
+    assert "answer_nll" not in passkey_summary(prompts, hits)

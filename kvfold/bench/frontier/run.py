@@ -59,7 +59,10 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
     return {
         "benchmark": "frontier", "date": datetime.date.today().isoformat(), "kvfold_version": kvfold.__version__,
         "torch_version": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
-        "target_top1_ratio": target, "eval_text": eval_text, "calib_text": "wiki:calib", "calib_tokens": calib_tokens,
+        "target_top1_ratio": target,
+        "joint_target": f"top-1 ratio >= {target:g} and perplexity ratio <= {1 / target:.4f} on {eval_text}"
+                        + (", and on each of its texts alone" if "+" in eval_text else ""),
+        "eval_text": eval_text, "calib_text": "wiki:calib", "calib_tokens": calib_tokens,
         "sensitivity_text": "wiki:dev", "sensitivity_tokens": sensitivity_tokens, "rank_multiple": multiple,
         "bytes": "KV-cache bytes per token as a fraction of the original's at fp16",
         "models": results, "seconds": round(time.perf_counter() - t0, 1),

@@ -18,7 +18,7 @@ from kvfold.factors.weights import o_proj_heads
 from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.evaluate import Evaluator, Reference, score_model
 from kvfold.measure.metrics import Metrics
-from kvfold.measure.passkey import passkey_hits, passkey_prompts, passkey_summary
+from kvfold.measure.passkey import passkey_answers, passkey_prompts, passkey_summary
 from kvfold.plan.sensitivity import LayerScales, measure_scales
 from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
@@ -88,11 +88,16 @@ class Setup:
 
     def passkey_score(self, patches: dict[int, AttentionPatch],
                       proj_maps: dict[tuple[int, str], ProjMap] | None = None) -> dict:
-        """Passkey keys retrieved (measure/passkey.py) with `patches` and `proj_maps`, as `score` runs."""
+        """Passkey keys retrieved and the answers' NLL (measure/passkey.py) with `patches` and `proj_maps`, as
+        `score` runs; with any patch, also the NLL's change against the original's on the same prompts."""
         prompts = self._prompts
+        original = self.once("passkey_original", lambda: passkey_answers(self.model, prompts))
+        if not patches and not proj_maps:
+            return passkey_summary(prompts, *original)
         with patched(self.model, self.adapter, patches), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
-            return passkey_summary(prompts, passkey_hits(self.model, prompts))
+            hits, nlls = passkey_answers(self.model, prompts)
+        return passkey_summary(prompts, hits, nlls, against=original[1])
 
     def once(self, key, build):
         if key not in self._cache:
