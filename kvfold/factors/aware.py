@@ -21,10 +21,10 @@ class AwareFactors:
     name = "aware"
 
     def basis(self, stats: CalibStats, layer: int, w_o: torch.Tensor) -> LayerBasis:
-        gq, gk, go = (stats.gram(layer, k) for k in ("q", "k", "o"))  # [H|H_kv, d, d] float64
+        gq, gk, gv, go = (stats.gram(layer, k) for k in ("q", "k", "v", "o"))  # [H|H_kv, d, d] float64
         kv_heads, heads = gk.shape[0], gq.shape[0]
         group = heads // kv_heads
-        qk_a, qk_b, qk_s, v_a, v_s = [], [], [], [], []
+        qk_a, qk_b, qk_s, v_a, v_s, v_e = [], [], [], [], [], []
         for g in range(kv_heads):
             cq = ridge(gq[g * group : (g + 1) * group].sum(0))
             ck = ridge(gk[g])
@@ -37,4 +37,5 @@ class AwareFactors:
             s_v, axes = svd_from_gram(go[g * group : (g + 1) * group].sum(0))
             v_a.append(axes)
             v_s.append(s_v)
-        return LayerBasis.from_groups(heads, qk_a, qk_b, qk_s, v_a, v_s, o_cov=ridge(go))
+            v_e.append(torch.einsum("dj,de,ej->j", axes, gv[g].to(axes), axes).clamp_min(0))  # E[(v A_v)_j²]
+        return LayerBasis.from_groups(heads, qk_a, qk_b, qk_s, v_a, v_s, o_cov=ridge(go), v_energy=v_e)

@@ -25,15 +25,18 @@ class LayerBasis:
     qk_b: torch.Tensor  # [H_kv, d, d]
     v_a: torch.Tensor  # [H_kv, d, d]
     o_cov: torch.Tensor | None  # [H, d, d] attention-output covariance for the refit; None: B_h = A_v
+    # [H_kv, d] the cached values' own mean square along each column of A_v (E[(v A_v)_j²]), what a rounding
+    # error in v'_j is priced by (plan/bits.py); None: not measured (priced by v_spectrum² instead)
+    v_energy: torch.Tensor | None = None
 
     @classmethod
     def from_groups(cls, heads: int, qk_a: list, qk_b: list, qk_s: list, v_a: list, v_s: list,
-                    o_cov: torch.Tensor | None) -> LayerBasis:
+                    o_cov: torch.Tensor | None, v_energy: list | None = None) -> LayerBasis:
         """Per-KV-head lists in; the query side (one A per group) is repeated for each query head."""
         group = heads // len(qk_b)
         return cls(group=group, qk_spectrum=torch.stack(qk_s), v_spectrum=torch.stack(v_s),
                    qk_a=torch.stack([qk_a[h // group] for h in range(heads)]), qk_b=torch.stack(qk_b),
-                   v_a=torch.stack(v_a), o_cov=o_cov)
+                   v_a=torch.stack(v_a), o_cov=o_cov, v_energy=None if v_energy is None else torch.stack(v_energy))
 
     def truncate(self, d_k: list[int], d_v: list[int]) -> LayerFactors:
         heads = self.qk_a.shape[0]

@@ -24,7 +24,8 @@ from torch import nn
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_answers", "passkey_hits", "passkey_length", "passkey_prompts", "passkey_summary"]
+__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_answers", "passkey_hits", "passkey_length", "passkey_prompts",
+           "passkey_summary"]
 
 INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

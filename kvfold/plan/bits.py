@@ -2,8 +2,14 @@
 
 In kvfold's bases the dims of a KV head are decorrelated and ordered by importance λ_j — for keys
 λ_j = σ_j², σ the whitened Q/K spectrum (E[(qA)_j²] = E[(kB)_j²] = σ_j, so an error e in k'_j costs
-σ_j·E[e²] in the scores and dropping it costs σ_j²); for values the output-aware spectrum squared, the
-same proxy the rank rule uses. Storing dim j at b bits costs about λ_j·2^(−2b) (uniform quantization of
+σ_j·E[e²] in the scores and dropping it costs σ_j²); for values λ_j = E[(v A_v)_j²], the values' own mean
+square along each axis (`LayerBasis.v_energy`): attention averages a stored value's error with weights that do
+not depend on the axis, and the axes are orthonormal, so an error costs the same on every axis and only its size
+— set by the value's own spread — differs. (Priced by the attention *output*'s spectrum², as the rank format
+orders its dims, values got too few bits: averaging shrinks every axis but the mean's, so the output spectrum
+is steeper than the values'. Measured on SmolLM2, 2026-11-25, 4,096 tokens of wiki:eval+pydoc:eval, 0.2775 of
+fp16's bytes, no layer multipliers: mean KL 0.0264 → 0.0205.) The value axes are therefore re-ordered by λ for
+the bits format (`bits_basis`). Storing dim j at b bits costs about λ_j·2^(−2b) (uniform quantization of
 a variance-λ number), dropping it λ_j. Reverse water-filling minimises Σ cost for a bit budget; over a
 discrete set of widths, for a multiplier θ, each head's widths minimise
 
@@ -14,8 +20,11 @@ one removal rate r does for ranks), and the last term charges each band its per-
 kvfold_runtime.bands "log8"; without this term SmolLM2 at 4 bits per number spent 0.089 of the fp16 bytes
 on float16 scales, with it 0.032). Widths never increase along the dims (λ descending), so equal widths
 form contiguous bands (kvfold_runtime.bands); a dynamic programme over (dim, width) finds the exact
-minimum. Larger θ, fewer bits. Per-layer sensitivity multipliers scale θ exactly as they scale r
-(plan/sensitivity.py). The accuracy search then runs over θ. Last, the dims inside each quantized band are
+minimum. Larger θ, fewer bits. Per-layer sensitivity multipliers (--allocation sensitivity) scale θ exactly as
+they scale r (plan/sensitivity.py). Measured on the bits format they cost accuracy — they were measured by
+removing dims, not rounding them (SmolLM2, as above: KL 0.0388 with them and 0.0264 without when values were
+priced by the output spectrum; 0.0375 and 0.0222 with today's pricing at V_SCALE 16) — and export's default
+allocation (eq6) has none. The accuracy search then runs over θ. Last, the dims inside each quantized band are
 mixed by an orthogonal DCT folded into the weights (`bit_factors`), so one absmax scale fits them better.
 """
 
@@ -32,8 +41,8 @@ from kvfold.plan.ranks import RankPlan, factors_for
 from kvfold.plan.recipe import V_SCALE  # θ_v / θ_k by default (measured there)
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
-__all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "dim_bits", "plan_bits",
-           "theta_for_mean_bits"]
+__all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "bits_basis", "dim_bits",
+           "plan_bits", "theta_for_mean_bits"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
@@ -150,9 +159,21 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scal
     return out[::-1]
 
 
+def bits_basis(basis: LayerBasis) -> LayerBasis:
+    """The basis as the bits format orders and prices its value dims: A_v's columns sorted by the values' own
+    mean square (v_energy), descending, and v_spectrum = its square root, so the water-filling's λ is what a
+    value's rounding error costs (module docstring). Without a measured v_energy, the basis unchanged."""
+    if basis.v_energy is None:
+        return basis
+    order = torch.argsort(basis.v_energy, dim=-1, descending=True, stable=True)  # [H_kv, d]
+    v_a = torch.stack([basis.v_a[g][:, order[g]] for g in range(order.shape[0])])
+    spectrum = basis.v_energy.gather(-1, order).sqrt().to(basis.v_spectrum.dtype)
+    return replace(basis, v_a=v_a, v_spectrum=spectrum, v_energy=None)
+
+
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
     k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
-    for i, b in enumerate(bases):
+    for i, b in enumerate(map(bits_basis, bases)):
         tk, tv = rule.thetas(i)
         k_bits.append([dim_bits(s, tk, rule.widths, scale_bits) for s in b.qk_spectrum])
         v_bits.append([dim_bits(s, tv, rule.widths, scale_bits) for s in b.v_spectrum])
@@ -182,8 +203,8 @@ def band_mixer(n: int) -> torch.Tensor:
 
 
 def bit_factors(bases: list[LayerBasis], plan: BitPlan) -> list[LayerFactors]:
-    """Every layer's factors for a bits plan: the bases truncated to the kept dims, then the dims of each band
-    below 16 bits mixed by an orthonormal DCT (band_mixer).
+    """Every layer's factors for a bits plan: the bases in the bits format's order (bits_basis) truncated to the
+    kept dims, then the dims of each band below 16 bits mixed by an orthonormal DCT (band_mixer).
 
     Why: a band's per-token scale is set by its largest value, and its dims are ordered by variance, so the
     first dims set one step for all the others (measured: the real distortion of SmolLM2's bands is 1.5× what
@@ -205,7 +226,7 @@ def bit_factors(bases: list[LayerBasis], plan: BitPlan) -> list[LayerFactors]:
         return kv_side, q_side
 
     out = []
-    for i, f in enumerate(factors_for(bases, plan.ranks())):
+    for i, f in enumerate(factors_for([bits_basis(b) for b in bases], plan.ranks())):
         qk_b, qk_a = mixed(f.qk_b, f.qk_a, plan.bands("k", i), f.group)
         v_a, o_b = mixed(f.v_a, f.o_b, plan.bands("v", i), f.group)
         out.append(replace(f, qk_a=qk_a, qk_b=qk_b, v_a=v_a, o_b=o_b))

@@ -25,8 +25,10 @@ DEFAULT_METRIC = "joint"  # with --max-kl: kl
 # (it passes through the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2
 # (2026-11-25, 4,096 wiki:eval tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio
 # 1.075, KL 0.084; 4 → 0.991, 1.047, 0.043; 16 → 0.984, 1.032, 0.030; 64 → 0.997, 1.033, 0.025 (keys 5.1 bits,
-# values 3.9). At 0.284: V_SCALE 64 → KL 0.074 (1: 0.157), 256 → 0.106.
-V_SCALE = 64.0
+# values 3.9). At 0.284: V_SCALE 64 → KL 0.074 (1: 0.157), 256 → 0.106. Measured again once values were priced by
+# their own variance (plan/bits.py; 2026-11-25, 4,096 tokens of wiki:eval+pydoc:eval, 0.2775 of fp16's bytes, no layer
+# multipliers): V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
+V_SCALE = 32.0
 V_SCALES = {"rank": 1.0, "bits": V_SCALE}  # the default v_scale of each format
 
 

@@ -185,10 +185,11 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     bits = METHODS["kvfold-bits"]
     cands = list(replace(bits, grid=(15.9, 4.0)).candidates(setup))
     assert [c.kv_fraction for c in cands] == sorted((c.kv_fraction for c in cands), reverse=True)
-    # bytes: independently, every head's row bytes of a plan at the same budget
-    bases, scales = setup.bases("aware", "text"), setup.layer_scales()
+    # bytes: independently, every head's row bytes of a plan at the same budget, as export plans it by default
+    # (eq6: no per-layer multipliers)
+    bases = setup.bases("aware", "text")
     theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths, V_SCALE)
-    plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, layer_k=scales.k, layer_v=scales.v))
+    plan = plan_bits(bases, BitRule(theta, V_SCALE * theta))
     rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
     assert cands[1].kv_fraction == pytest.approx(sum(rows) / (len(rows) * 2 * plan.head_dim))
     # nearly every dim at 16 bits (float16 storage): the original's logits up to float16 round-off

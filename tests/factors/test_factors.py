@@ -60,3 +60,33 @@ def test_aware_truncation_error_shrinks_with_rank():
         m = torch.eye(16, dtype=torch.float64) - p  # error of q ↦ q(I − P) kᵀ, expected over q and k
         errors.append(float(torch.trace(m.T @ cq @ m @ ck)))
     assert all(a > b for a, b in itertools.pairwise(errors)) and errors[-1] < 1e-12 * errors[0]
+
+
+def test_aware_measures_each_value_axis_mean_square_and_the_bits_format_orders_by_it():
+    """v_energy_j = E[(v A_v)_j²] from the values' own calibration Gram; bits_basis sorts the value axes by it
+    (the bits format's price of a value's rounding error, plan/bits.py) and leaves attention unchanged."""
+    from kvfold.plan.bits import bits_basis
+
+    arch = "LlamaForCausalLM"
+    model = build_tiny(arch)
+    stats = tiny_stats(model, arch)
+    basis = get_method("aware").basis(stats, 1, o_proj_heads(model, get_adapter(arch), 1))
+    gv = stats.gram(1, "v")
+    for g in range(basis.v_a.shape[0]):
+        a = basis.v_a[g]
+        torch.testing.assert_close(basis.v_energy[g], torch.diagonal(a.T @ gv[g] @ a), rtol=1e-10, atol=0)
+    ordered = bits_basis(basis)
+    assert ordered.v_energy is None and torch.equal(ordered.qk_b, basis.qk_b)
+    for g in range(basis.v_a.shape[0]):
+        want = basis.v_energy[g].sort(descending=True).values
+        torch.testing.assert_close(ordered.v_spectrum[g] ** 2, want, rtol=1e-12, atol=0)
+        # the same axes, reordered: each column of the new A_v is one of the old ones
+        match = (ordered.v_a[g].T @ basis.v_a[g]).abs()
+        torch.testing.assert_close(match.amax(-1), torch.ones(16, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert not torch.equal(ordered.v_a, basis.v_a)  # the output spectrum and the values' own order differ here
+    d = basis.v_a.shape[-1]
+    full = ordered.truncate([d] * 2, [d] * 2)  # at full rank, still exact
+    torch.testing.assert_close(full.o_projection(), torch.eye(d, dtype=torch.float64).expand_as(full.o_projection()),
+                               rtol=0, atol=1e-8)
+    zack = get_method("zack").basis(stats, 1, o_proj_heads(model, get_adapter(arch), 1))
+    assert zack.v_energy is None and bits_basis(zack) is zack

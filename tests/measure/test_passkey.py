@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from kvfold.errors import KVFoldError
-from kvfold.measure.passkey import (DEPTHS, FILLER, PasskeyPrompt, passkey_answers, passkey_hits, passkey_prompts,
-                                    passkey_summary)
+from kvfold.measure.passkey import (
+    DEPTHS,
+    FILLER,
+    PasskeyPrompt,
+    passkey_answers,
+    passkey_hits,
+    passkey_prompts,
+    passkey_summary,
+)
 from tests.conftest import build_tiny, tiny_tokenizer
 
 

@@ -12,7 +12,9 @@ from .kvfold import KVFold
 from .palu import Palu
 from .quant import IntPerToken, Kivi
 from .think import ThinK
+from .turboquant import TurboQuant
 from .uniform import Uniform
+from .vllm_kv import VllmPerTokenHead
 
 __all__ = ["DEFAULT", "METHODS", "PEERS", "Candidate", "Method", "get_methods"]
 
@@ -43,12 +45,21 @@ _ALL: list[Method] = [
     IntPerToken(4),
     Kivi(4),
     Kivi(2),
+    # vLLM 0.32's own compressed caches (--kv-cache-dtype), stored bit for bit as vLLM stores them (issue 25)
+    VllmPerTokenHead("int8_per_token_head"),
+    VllmPerTokenHead("fp8_per_token_head"),
+    VllmPerTokenHead("int4_per_token_head"),
+    TurboQuant("turboquant_k8v4"),
+    TurboQuant("turboquant_4bit_nc"),
+    TurboQuant("turboquant_k3v4_nc"),
+    TurboQuant("turboquant_3bit_nc"),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)
 # On further models (the MHA variant: GQA vs MHA) kvfold against each peer, without the ablations.
 PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8", "kvfold-bits", "int8", "int4", "kivi4",
-         "kivi2")
+         "kivi2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
+         "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 
 
 ALIASES = {"fdc": "zack"}  # the papers' method goes by either paper's name

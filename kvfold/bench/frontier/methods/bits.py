@@ -2,9 +2,8 @@
 cache in the bit-band format (kvfold_runtime.bands: a one-byte per-token scale per band, counted).
 
 The knob is the mean bits per stored number before scales; each is turned into the θ of the
-water-filling (θ_v = V_SCALE·θ_k as export does, no per-layer multipliers) and then the per-layer
-sensitivity multipliers of kvfold's ranks scale θ as they scale r. Bytes are the real per-token row bytes
-(codes + scales) of every head.
+water-filling (θ_v = V_SCALE·θ_k) with no per-layer multipliers: the plan export makes by default
+(--allocation eq6). Bytes are the real per-token row bytes (codes + scales) of every head.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ class KVFoldBits:
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
-        scales = setup.layer_scales()
         rule = BitRule(1.0, 1.0)
         for bits in self.grid:
             theta = theta_for_mean_bits(bases, bits, rule.widths, V_SCALE)  # export's default K/V split
-            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, rule.widths, scales.k, scales.v))
+            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, rule.widths))
             yield Candidate(bits, 1.0 - plan.compression, bit_patches(bases, plan, setup.dtype))
