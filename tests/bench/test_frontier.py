@@ -49,6 +49,10 @@ def test_the_target_holds_only_where_it_holds_on_every_text_of_the_mixture():
     assert at_target(pts, 0.99, None, joint=True) == pytest.approx(0.9 - 0.1 * t)
     assert at_target([replace(p, parts=()) for p in pts], 0.99, None, joint=True) == 0.8  # pooled alone: passes
     assert meets(pts[0], 0.99) and not meets(pts[1], 0.99) and meets(pts[1], 0.99, joint=False)
+    # the first point already fails on one text: interpolated from the original (1.0 on every text)
+    t = (1 / 0.99 - 1.0) / (1.0141 - 1.0)
+    worse = q(0.7, 0.98, 1.03, (q(0.7, 0.98, 1.02), q(0.7, 0.98, 1.04)))
+    assert at_target([pts[1], worse], 0.99, None, joint=True) == pytest.approx(1.0 - 0.2 * t)
 
 
 def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvfold.measure.metrics import Metrics
 from kvfold.plan.criteria import Target
@@ -64,6 +64,8 @@ def at_target(points: list[Point], target: float, origin: Point | None, joint: b
     if len(points) == 1 and origin is None:
         return points[0].kv_fraction if min(slack(points[0], target, joint)) >= 0 else 1.0
     for p in sorted(points, key=lambda p: -p.kv_fraction):
+        if len(prev.parts) != len(p.parts):  # the original scores 1.0 on every text of the mixture too
+            prev = replace(prev, parts=(replace(prev, parts=()),) * len(p.parts))
         if min(slack(p, target, joint)) < 0:
             t = min(a / (a - b) for a, b in zip(slack(prev, target, joint), slack(p, target, joint), strict=True)
                     if b < 0)
