@@ -75,3 +75,20 @@ def tiny_dirs(tmp_path_factory) -> dict:
         tiny_tokenizer().save_pretrained(root / arch)
         dirs[arch] = root / arch
     return dirs
+
+
+def rerun_in_triton_interpreter(test_file: str, *args: str) -> str:
+    """Run `test_file`'s tests (selected by pytest `args`) in a child pytest with TRITON_INTERPRET=1 — Triton reads
+    it once, at its first import — and return the child's output; fails the caller's test if the child fails."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(test_file).relative_to(root)),
+           *args]
+    run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    return run.stdout

@@ -12,29 +12,14 @@ import torch
 from kvfold.bench.frontier.methods import METHODS, get_methods
 from kvfold.bench.frontier.methods.palu import prerope_grams
 from kvfold.bench.frontier.methods.think import channel_masks
-from kvfold.bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask, mapped_projections
-from kvfold.bench.frontier.setup import Setup
+from kvfold.bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
-from kvfold.hooks import patched
 from kvfold.measure.evaluate import _patch
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
+from tests.bench.conftest import frontier_logits
 
 ARCH = "LlamaForCausalLM"
-
-
-@pytest.fixture(scope="module")
-def setup(tiny_dirs, tmp_path_factory) -> Setup:
-    return Setup(str(tiny_dirs[ARCH]), tmp_path_factory.mktemp("frontier"), eval_tokens=1024, calib_tokens=1024,
-                 sensitivity_tokens=512, multiple=1)
-
-
-def _logits(setup: Setup, patches=None, proj_maps=None, model=None) -> torch.Tensor:
-    model = model or setup.model
-    ids = torch.stack(setup.windows.ids[:2])
-    with torch.inference_mode(), patched(model, setup.adapter, patches or {}), \
-            mapped_projections(model, setup.adapter, proj_maps or {}):
-        return model(input_ids=ids, use_cache=False).logits
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
@@ -66,8 +51,8 @@ def test_palu_reconstructs_low_rank_keys_and_values_before_rope(setup):
         with torch.no_grad():
             proj.weight.copy_(p @ proj.weight)
     assert math.isclose(cand.kv_fraction, kept / sum(g.shape[0] for g in grams.values()))
-    assert _close(_logits(setup, proj_maps=cand.proj_maps), _logits(setup, model=folded))
-    assert not _close(_logits(setup, proj_maps=cand.proj_maps), _logits(setup), 1e-3)
+    assert _close(frontier_logits(setup, proj_maps=cand.proj_maps), frontier_logits(setup, model=folded))
+    assert not _close(frontier_logits(setup, proj_maps=cand.proj_maps), frontier_logits(setup), 1e-3)
 
 
 def test_palu_at_full_rank_is_exact(setup):
@@ -76,7 +61,7 @@ def test_palu_at_full_rank_is_exact(setup):
     from kvfold.calib.spectrum import svd_from_gram
 
     maps = {key: _projector(svd_from_gram(g)[1], g.shape[0], torch.float32) for key, g in grams.items()}
-    assert _close(_logits(setup, proj_maps=maps), _logits(setup))
+    assert _close(frontier_logits(setup, proj_maps=maps), frontier_logits(setup))
 
 
 def test_fp8_roundtrip_is_within_e4m3_precision():
@@ -95,7 +80,7 @@ def test_fp8_roundtrip_is_within_e4m3_precision():
 def test_fp8_method_halves_the_bytes_and_perturbs_little(setup):
     (cand,) = METHODS["fp8"].candidates(setup)
     assert cand.kv_fraction == 0.5 and len(cand.patches) == len(setup.adapter.attention_modules(setup.model))
-    q8, ref = _logits(setup, cand.patches), _logits(setup)
+    q8, ref = frontier_logits(setup, cand.patches), frontier_logits(setup)
     assert not torch.equal(q8, ref) and _close(q8, ref, 0.1)
 
 
@@ -124,7 +109,7 @@ def test_uniform_gives_every_head_the_same_rank_and_is_exact_at_full_rank(setup)
     bases = setup.bases("aware", "text")
     full = plan_ranks(bases, RankRule(0.0, 0.0, multiple=1, min_rank=1))
     exact = {i: compressed(f, torch.float32) for i, f in enumerate(factors_for(bases, full))}
-    assert _close(_logits(setup, exact), _logits(setup))
+    assert _close(frontier_logits(setup, exact), frontier_logits(setup))
 
 
 def test_compressed_attention_equals_the_evaluators_projection(setup):
@@ -132,12 +117,12 @@ def test_compressed_attention_equals_the_evaluators_projection(setup):
     search's patch projects q and o instead. Same algebra, so the same logits at reduced ranks."""
     bases = setup.bases("aware", "text")
     factors = factors_for(bases, plan_ranks(bases, RankRule(0.1, 0.05, multiple=1, min_rank=1)))
-    ours = _logits(setup, {i: compressed(f, torch.float32) for i, f in enumerate(factors)})
-    theirs = _logits(setup, {i: _patch(f, torch.float32) for i, f in enumerate(factors)})
-    assert _close(ours, theirs, 1e-4) and not _close(ours, _logits(setup), 1e-3)
+    ours = frontier_logits(setup, {i: compressed(f, torch.float32) for i, f in enumerate(factors)})
+    theirs = frontier_logits(setup, {i: _patch(f, torch.float32) for i, f in enumerate(factors)})
+    assert _close(ours, theirs, 1e-4) and not _close(ours, frontier_logits(setup), 1e-3)
     seen = []
     spy = {i: compressed(f, torch.float32, lambda x: seen.append(x.shape) or x) for i, f in enumerate(factors)}
-    assert _close(_logits(setup, spy), ours)  # an identity quantizer changes nothing...
+    assert _close(frontier_logits(setup, spy), ours)  # an identity quantizer changes nothing...
     assert len(seen) == 2 * len(factors)  # ...and sees each layer's cached k' and v'
 
 
@@ -148,7 +133,7 @@ def test_kvfold_fp8_is_kvfold_with_its_cache_in_fp8(setup):
     (a,) = replace(plain, grid=(0.02,)).candidates(setup)
     (b,) = replace(q8, grid=(0.02,)).candidates(setup)
     assert b.kv_fraction == pytest.approx(a.kv_fraction / 2)
-    la, lb = _logits(setup, a.patches), _logits(setup, b.patches)
+    la, lb = frontier_logits(setup, a.patches), frontier_logits(setup, b.patches)
     # fp8's 3-bit mantissa moves the random tiny model's logits by ~10% of their largest (0.102 measured with
     # position-averaged factors, 2026-11-25); the rank cut alone moves them 43%
     assert not torch.equal(la, lb) and _close(la, lb, 0.15)
@@ -193,8 +178,8 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
     assert cands[1].kv_fraction == pytest.approx(sum(rows) / (len(rows) * 2 * plan.head_dim))
     # nearly every dim at 16 bits (float16 storage): the original's logits up to float16 round-off
-    assert _close(_logits(setup, cands[0].patches), _logits(setup), 2e-2)
-    assert not _close(_logits(setup, cands[1].patches), _logits(setup), 1e-3)
+    assert _close(frontier_logits(setup, cands[0].patches), frontier_logits(setup), 2e-2)
+    assert not _close(frontier_logits(setup, cands[1].patches), frontier_logits(setup), 1e-3)
 
 
 def test_int_per_token_and_kivi_count_their_scales(setup):
@@ -203,8 +188,9 @@ def test_int_per_token_and_kivi_count_their_scales(setup):
     d = setup.model.config.head_dim
     (i8,), (i4,) = METHODS["int8"].candidates(setup), METHODS["int4"].candidates(setup)
     assert i8.kv_fraction == (d + 2) / (2 * d) and i4.kv_fraction == (d / 2 + 2) / (2 * d)
-    ref = _logits(setup)
-    assert _close(_logits(setup, i8.patches), ref, 2e-2) and not _close(_logits(setup, i4.patches), ref, 1e-3)
+    ref = frontier_logits(setup)
+    assert _close(frontier_logits(setup, i8.patches), ref, 2e-2)
+    assert not _close(frontier_logits(setup, i4.patches), ref, 1e-3)
     (k4,) = METHODS["kivi4"].candidates(setup)
     groups = -(-d // 32)
     assert k4.kv_fraction == pytest.approx((2 * d * 4 / 8 + 4 * d / 32 + 4 * groups) / (4 * d))

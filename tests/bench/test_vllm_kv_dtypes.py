@@ -13,10 +13,8 @@ vLLM tests in a child process started with the variable set, and they skip here.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +31,8 @@ from kvfold.bench.frontier.methods.vllm_kv import (
     rht_signs,
     vllm_bytes_per_token,
 )
-from kvfold.bench.frontier.setup import Setup
-from kvfold.hooks import patched
+from tests.bench.conftest import frontier_logits
+from tests.conftest import rerun_in_triton_interpreter
 
 NEEDS_CHILD = os.environ.get("TRITON_INTERPRET") != "1"
 in_interpreter = pytest.mark.skipif(NEEDS_CHILD, reason="run in Triton's interpreter by test_in_the_interpreter")
@@ -47,13 +45,8 @@ H_KV, H_Q, BLOCK = 2, 4, 16
 @pytest.mark.vllm
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the vLLM tests run in this process")
 def test_in_the_interpreter():
-    root = Path(__file__).parents[2]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).relative_to(root)),
-           "-m", "vllm", "-k", "not test_in_the_interpreter"]
-    run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    out = rerun_in_triton_interpreter(__file__, "-m", "vllm", "-k", "not test_in_the_interpreter")
+    assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -273,28 +266,16 @@ def test_roundtrip_error_is_within_half_a_step(dtype):
         assert bool(((ROUNDTRIPS[dtype](x) - x).abs() <= bound).all())
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_dirs, tmp_path_factory) -> Setup:
-    return Setup(str(tiny_dirs["LlamaForCausalLM"]), tmp_path_factory.mktemp("frontier"), eval_tokens=1024,
-                 calib_tokens=1024, sensitivity_tokens=512, multiple=1)
-
-
-def _logits(setup: Setup, patches=None) -> torch.Tensor:
-    ids = torch.stack(setup.windows.ids[:2])
-    with torch.inference_mode(), patched(setup.model, setup.adapter, patches or {}):
-        return setup.model(input_ids=ids, use_cache=False).logits
-
-
 def test_methods_run_on_the_frontier(setup):
     """One candidate each, at vLLM's bytes; the logits move, int4 the most. Tiny Llama: H_kv 2, d 16 (vLLM itself
     takes d ≥ 32; the arithmetic is the same)."""
-    reference = _logits(setup)
+    reference = frontier_logits(setup)
     errors = {}
     for dtype in DTYPES:
         method = VllmPerTokenHead(dtype)
         (cand,) = method.candidates(setup)
         assert method.name == dtype and cand.kv_fraction == vllm_bytes_per_token(dtype, 2, 16) / (2 * 2 * 2 * 16)
-        logits = _logits(setup, cand.patches)
+        logits = frontier_logits(setup, cand.patches)
         assert torch.isfinite(logits).all()
         errors[dtype] = float((logits - reference).abs().max() / reference.abs().max())
     assert 0 < errors["int8_per_token_head"] < errors["int4_per_token_head"] < 0.5

@@ -16,11 +16,9 @@ import importlib
 import importlib.util
 import math
 import os
-import subprocess
 import sys
 import types
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -40,8 +38,8 @@ from kvfold.bench.frontier.methods.turboquant import (
     slot_bytes,
     turboquant_roundtrip,
 )
-from kvfold.bench.frontier.setup import Setup
-from kvfold.hooks import patched
+from tests.bench.conftest import frontier_logits
+from tests.conftest import rerun_in_triton_interpreter
 
 DTYPES = list(PRESETS)
 NEEDS_CHILD = os.environ.get("TRITON_INTERPRET") != "1"
@@ -54,12 +52,8 @@ KERNEL_MODULES = ("triton_decode_attention", "triton_turboquant_decode", "triton
 @pytest.mark.vllm
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
 def test_vllm_kernels_in_the_interpreter():
-    root = Path(__file__).parents[2]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).relative_to(root)),
-           "-m", "vllm", "-k", "vllms_store or vllms_reads"]
-    run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    out = rerun_in_triton_interpreter(__file__, "-m", "vllm", "-k", "vllms_store or vllms_reads")
+    assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 def _gpu_fp8_cast(convert):
@@ -298,31 +292,18 @@ def test_boundary_layers_are_vllms(layers):
     assert boundary_layers(layers) == [int(i) for i in TurboQuantConfig.get_boundary_skip_layers(_model_config(layers))]
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_dirs, tmp_path_factory) -> Setup:
-    """tests/bench/test_frontier_methods.py's tiny frontier: a random Llama, 4 query / 2 KV heads, head_dim 16."""
-    return Setup(str(tiny_dirs["LlamaForCausalLM"]), tmp_path_factory.mktemp("frontier"), eval_tokens=1024,
-                 calib_tokens=1024, sensitivity_tokens=512, multiple=1)
-
-
-def _logits(setup: Setup, patches=None) -> torch.Tensor:
-    ids = torch.stack(setup.windows.ids[:2])
-    with torch.inference_mode(), patched(setup.model, setup.adapter, patches or {}):
-        return setup.model(input_ids=ids, use_cache=False).logits
-
-
 def test_turboquant_candidates_run_on_the_tiny_model(setup):
     """The tiny model's 2 layers are both boundary layers, so vLLM keeps them at 16 bits: nothing changes. Without
     the boundary every layer is quantized: the slot's bytes, and logits moved, the fewer bits the more."""
     pytest.importorskip("vllm.model_executor.layers.quantization.turboquant.centroids")
     d = setup.model.config.head_dim
-    ref, err = _logits(setup), {}
+    ref, err = frontier_logits(setup), {}
     for dtype in DTYPES:
         method = TurboQuant(dtype)
         (cand,) = method.candidates(setup)
         assert method.name == dtype and cand.kv_fraction == 1.0 and not cand.patches
         (cand,) = replace(method, boundary=0).candidates(setup)
         assert cand.kv_fraction == slot_bytes(dtype, d) / (4 * d) and sorted(cand.patches) == [0, 1]
-        err[dtype] = float((_logits(setup, cand.patches) - ref).abs().max() / ref.abs().max())
+        err[dtype] = float((frontier_logits(setup, cand.patches) - ref).abs().max() / ref.abs().max())
     # measured 2026-11-25: k8v4 0.18, 4bit_nc 0.29, k3v4_nc 0.30, 3bit_nc 0.57 of the largest logit (fp8: 0.10)
     assert 0 < err["turboquant_k8v4"] < err["turboquant_3bit_nc"] < 1, err
