@@ -152,10 +152,12 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
     lost = sum(a and not b for a, b in zip(hits["original"], hits["exported"], strict=True))
     n, got = len(prompts), {k: sum(h) for k, h in hits.items()}
     depths = ", ".join(report.passkey["exported"]["by_depth"])
+    change = report.passkey["exported"]["answer_nll_change"]
     report.checks.append(Check(
         f"passkey {context}", got["exported"] >= got["original"],
         f"keys retrieved at {len(prompts[0].ids)} tokens, needle at depths {depths}: export {got['exported']}/{n}, "
-        f"original {got['original']}/{n}" + (f"; {lost} the original retrieves are lost" if lost else "")))
+        f"original {got['original']}/{n}" + (f"; {lost} the original retrieves are lost" if lost else "")
+        + f"; the answers' NLL {change['mean']:+.3f} ± {change['se']:.3f} nats against the original's"))
 
 
 def _fidelity(m: Manifest, text: str, tokens: int, now: Point, same_windows: bool = True) -> Check:
