@@ -40,7 +40,7 @@ from itertools import pairwise
 import torch
 
 __all__ = ["DEFAULT_SCALE", "LEGACY_SCALE", "SCALES", "WIDTHS", "Band", "bands_from_bits", "decode_heads",
-           "dequantize", "encode_heads", "log8_scales", "quantize", "roundtrip", "row_bytes"]
+           "dequantize", "encode_heads", "log8_scales", "pack_bits", "quantize", "roundtrip", "row_bytes"]
 
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)  # the bit widths a band may have
 SCALES = {"log8": 1, "float16": 2}  # a quantized band's per-token scale format -> its bytes
@@ -99,7 +99,7 @@ def _levels(bits: int) -> float:
     return 2.0 ** (bits - 1) - 0.5  # absmax maps to the outermost level's centre
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., n] integer codes < 2^bits -> [..., ceil(n·bits/8)] uint8, little-endian bit stream."""
     shifts = torch.arange(bits, device=codes.device)
     stream = ((codes[..., None].to(torch.int32) >> shifts) & 1).flatten(-2)  # [..., n·bits]
@@ -160,7 +160,7 @@ def quantize(x: torch.Tensor, bands: tuple[Band, ...]) -> tuple[torch.Tensor, to
         # the codes are computed against the scale as stored
         raw, s = _encode_scale((part.abs().amax(-1, keepdim=True) / _levels(band.bits)).clamp_min(1e-30), band.scale)
         q = torch.floor(part / s + 2.0 ** (band.bits - 1)).clamp(0, 2**band.bits - 1)
-        rows.append(_pack(q.to(torch.int32), band.bits))
+        rows.append(pack_bits(q.to(torch.int32), band.bits))
         scales.append(raw)
     lead = x.shape[:-1]
     codes = torch.cat(rows, -1) if rows else torch.empty(*lead, 0, dtype=torch.uint8, device=x.device)

@@ -4,15 +4,13 @@ windows, masks as transformers passes them (causal, left-padded, banded, per hea
 bfloat16 and float16, balanced == plain. On CUDA when there is one, else in Triton's interpreter."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvfold_runtime import paged_attention, reference_attention, write_paged
 from kvfold_runtime.kernels import triton_common, triton_decode, triton_prefill
+from tests.conftest import rerun_in_triton_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Without a GPU the kernels run in Triton's interpreter. TRITON_INTERPRET=1 must be set before triton is first
@@ -27,12 +25,7 @@ ROUNDING = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8 if DEVICE == "c
 
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
 def test_in_the_interpreter():
-    root = Path(__file__).parents[2]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).relative_to(root)),
-           "-k", "not test_in_the_interpreter"]
-    run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter")
 
 
 WIDTHS = {

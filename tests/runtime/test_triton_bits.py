@@ -6,9 +6,6 @@ cached prefix, mixed batches, sliding windows, masks, float32, bfloat16 and floa
 are checked in plain torch too. On CUDA when there is one, else in Triton's interpreter (see test_triton.py)."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ import kvfold_runtime
 from kvfold_runtime import LayerDims, bands_from_bits, paged_attention, reference_attention, write_paged
 from kvfold_runtime.bands import decode_heads, encode_heads
 from kvfold_runtime.kernels import bits_table, triton_bits
+from tests.conftest import rerun_in_triton_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter must be switched on before triton is first imported: see test_triton.py
@@ -30,12 +28,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
 def test_in_the_interpreter():
-    root = Path(__file__).parents[2]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).relative_to(root)),
-           "-k", "not test_in_the_interpreter"]
-    run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter")
 
 
 def _bits(*runs: tuple[int, int]) -> list[int]:

@@ -38,11 +38,13 @@ import torch
 from kvfold.adapters import HeadLayout
 from kvfold.errors import KVFoldError
 from kvfold.hooks import AttentionPatch
+from kvfold_runtime import pack_bits
 
+from ..patches import FP8_MAX
 from .base import Candidate
 
 __all__ = ["BOUNDARY", "PRESETS", "KeyCodes", "TurboQuant", "ValueCodes", "boundary_layers", "decode_keys",
-           "decode_values", "encode_keys", "encode_values", "hadamard", "lloyd_max", "pack_codes", "pack_slot",
+           "decode_values", "encode_keys", "encode_values", "hadamard", "lloyd_max", "pack_slot",
            "slot_bytes", "turboquant_roundtrip"]
 
 # vLLM's TQ_PRESETS: (key bits, value bits); 8 = float8 keys. Every preset with quantized keys has norm correction.
@@ -53,7 +55,6 @@ PRESETS = {
     "turboquant_3bit_nc": (3, 3),
 }
 BOUNDARY = 2  # get_boundary_skip_layers' n, as arg_utils.py calls it
-FP8_MAX = 448.0
 
 
 class KeyCodes(NamedTuple):
@@ -119,15 +120,6 @@ def lloyd_max(d: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return centroids, (centroids[:-1] + centroids[1:]) / 2
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., d] codes -> [..., ceil(d·bits/8)] uint8: code i at bits i·bits.. of a little-endian stream (vLLM's
-    4-bit pairs and 3-bit groups of 8 in 3 bytes are both this)."""
-    shift = torch.arange(bits, device=codes.device)
-    stream = ((codes[..., None].long() >> shift) & 1).flatten(-2)  # [..., d·bits], least significant bit first
-    stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).unflatten(-1, (-1, 8))
-    return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
-
-
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
     """[...] float16 -> [..., 2] uint8, low byte first (as the store kernels write it)."""
     bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -187,8 +179,8 @@ def pack_slot(k: torch.Tensor, v: torch.Tensor, dtype: str) -> torch.Tensor:
     """k, v [..., d] -> [..., slot_bytes] uint8: the bytes of vLLM's slot, [key | value | even padding (0)]."""
     key_bits, value_bits = _bits(dtype)
     keys, values = encode_keys(k, dtype), encode_values(v, dtype)
-    parts = [keys.codes] if key_bits == 8 else [pack_codes(keys.codes, key_bits), _f16_bytes(keys.norm)]
-    parts += [pack_codes(values.codes, value_bits), _f16_bytes(values.scale), _f16_bytes(values.zero)]
+    parts = [keys.codes] if key_bits == 8 else [pack_bits(keys.codes, key_bits), _f16_bytes(keys.norm)]
+    parts += [pack_bits(values.codes, value_bits), _f16_bytes(values.scale), _f16_bytes(values.zero)]
     slot = torch.cat(parts, -1)
     return torch.nn.functional.pad(slot, (0, slot_bytes(dtype, k.shape[-1]) - slot.shape[-1]))
 

@@ -49,7 +49,7 @@ import torch
 from kvfold.adapters import HeadLayout
 from kvfold.errors import KVFoldError
 
-from ..patches import quantized_kv
+from ..patches import FP8_MAX, quantized_kv
 from .base import Candidate
 
 __all__ = [
@@ -68,7 +68,6 @@ __all__ = [
     "vllm_bytes_per_token",
 ]
 
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 MIN_SCALE = 1e-6  # every kernel's floor on the scale
 RHT_SEED = 0x9E3779B9
 
