@@ -31,3 +31,20 @@ def test_statistics_and_ranks_agree_across_devices(tiny_dirs, tmp_path):
         scale = g.abs().max()
         assert float((grams["cuda"][name] - g).abs().max() / scale) < 1e-5, name
     assert ranks["cuda"] == ranks["cpu"]
+
+
+def test_the_torch_attention_path_reads_unaligned_head_slices_on_cuda():
+    """A head's slice of a packed row starts wherever the widths before it end (13 numbers in, say): CUDA's fused
+    SDPA kernels failed with "misaligned address" on such views until torch_sdpa copied them (H200, torch 2.11)."""
+    from kvfold_runtime import reference_attention, sdpa_attention
+
+    d_k, d_v, group = [13, 104, 40, 99], [104, 21, 64, 8], 4
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t, s in ((1, 300), (64, 64)):
+        q = torch.randn(2, t, group * sum(d_k), generator=gen, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, s, sum(d_k), generator=gen, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(2, s, sum(d_v), generator=gen, device="cuda", dtype=torch.bfloat16)
+        got = sdpa_attention(q, k, v, d_k, d_v, group, scaling=0.1)
+        want = reference_attention(*(x.float() for x in (q, k, v)), d_k, d_v, group, scaling=0.1)
+        torch.cuda.synchronize()
+        assert (got.float() - want).abs().max() < 0.05 * want.abs().max(), (t, s)

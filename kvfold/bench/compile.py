@@ -42,8 +42,13 @@ peak_file = sys.argv.pop(1)
 def write_peak():
     torch = sys.modules.get("torch")
     used = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    try:  # this process's own peak since exec (ru_maxrss of a child also counts its parent's RSS at fork)
+        hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+        rss_kib = int(hwm[0].split()[1]) if hwm else None
+    except OSError:
+        rss_kib = None
     with open(peak_file, "w") as f:
-        json.dump({"cuda_peak_bytes": torch.cuda.max_memory_allocated() if used else None}, f)
+        json.dump({"cuda_peak_bytes": torch.cuda.max_memory_allocated() if used else None, "rss_peak_kib": rss_kib}, f)
 
 
 atexit.register(write_peak)
@@ -129,12 +134,13 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
 
 
 def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
-    """The model argument for the stages: the embedded default, or a random-weight folder written now."""
-    from kvfold.sources.models import resolve_model
+    """The model argument for the stages: the embedded default, or a random-weight folder written now (with the
+    default's tokenizer: only its tokenizer files are read, so a GPU machine needs no copy of its weights)."""
+    from kvfold.sources.embedded import ensure_embedded
 
-    smollm2 = resolve_model("smollm2").path
     if SHAPES[shape] is None:
         return "smollm2"
+    smollm2 = ensure_embedded("smollm2")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -168,9 +174,13 @@ def _timed(name: str, args: list[str], root: Path) -> dict:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    cuda = json.loads(peak.read_text())["cuda_peak_bytes"] if peak.is_file() else None
+    peaks = json.loads(peak.read_text()) if peak.is_file() else {}
+    cuda = peaks.get("cuda_peak_bytes")
+    # the stage's own VmHWM; ru_maxrss (the fallback) starts at this process's RSS when it forked the stage, and
+    # this process may hold a model it just wrote
+    rss_kib = peaks.get("rss_peak_kib") or usage.ru_maxrss
     return {"stage": name, "rc": child.returncode, "wall_s": round(wall, 1),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "peak_rss_mib": round(rss_kib / 1024, 1),
             "cuda_peak_mib": None if cuda is None else round(cuda / 2**20, 1),
             "stdout": stdout, "stderr_tail": " | ".join(stderr.strip().splitlines()[-3:]),
             "candidates_scored": sum(" candidate p=" in line for line in stderr.splitlines())}

@@ -3,8 +3,10 @@ kvfold's torch path, on the same contexts (issue 11's table).
 
 Layers: Llama-3-8B's shapes (32 query / 8 KV heads, head_dim 128) compressed to p = 0.25 and 0.5 with every
 head at the same width ("uniform") or at seeded uneven, unaligned widths of the same total ("uneven"), and
-the widths of a real export's median layer (`--export`). Decode: one new token per sequence, batch B ×
-context S; prefill: one causal sequence of T tokens. Times are CUDA-event medians; each ratio is to SDPA's
+the widths of a real export's median layer (`--export`). Bits-format layers (every dim kept, band codes: 4 bits
+everywhere, and a mix of 8/5/4-bit keys and 6/4-bit values) time kvfold's Triton bits kernel, which reads the codes
+and dequantizes in registers. Decode: one new token per sequence, batch B × context S; prefill: one causal sequence
+of T tokens. Times are CUDA-event medians; each ratio is to SDPA's
 time on the same shape in the same run, next to the ideal 1 − p (the bytes a decode reads) or the FLOP ratio
 (prefill). `--smoke` runs tiny shapes on any device (the kernels in Triton's interpreter on CPU): it checks
 the command, its figures mean nothing.
@@ -63,8 +65,10 @@ class LayerWidths:
 
     @property
     def p(self) -> float:
-        """Compression of this layer's cache: 1 − its row / the uncompressed row (2·G·d numbers)."""
-        return 1 - sum(self.dims.row_bytes(element_size=1)) / (2 * self.dims.num_kv_heads * self.head_dim)
+        """Compression of this layer's cache: 1 − its row / the uncompressed row (2·G·d numbers; a bits layer's
+        bytes against 16-bit numbers)."""
+        size = 2 if self.dims.banded else 1
+        return 1 - sum(self.dims.row_bytes(element_size=1)) / (2 * self.dims.num_kv_heads * self.head_dim * size)
 
     @property
     def flop_ratio(self) -> float:
@@ -95,6 +99,45 @@ def synthetic_layer(p: float, uneven: bool, num_heads: int, num_kv_heads: int, h
         return w
 
     return LayerWidths.of(f"uneven p={p:g}", num_heads, head_dim, draw(), draw())
+
+
+def bits_layer(name: str, k_runs: list[tuple[int, int]], v_runs: list[tuple[int, int]], num_heads: int,
+               num_kv_heads: int, head_dim: int) -> LayerWidths:
+    """Every dim of every head kept, coded in bands: runs of (bits, dims) for keys and values, each summing to
+    head_dim, the same for every KV head, scales in the format kvfold writes."""
+    from kvfold_runtime import bands_from_bits
+
+    def bands(runs):
+        bits = [b for b, n in runs for _ in range(n)]
+        assert len(bits) == head_dim, (runs, head_dim)
+        return tuple(bands_from_bits(bits) for _ in range(num_kv_heads))
+
+    full = (head_dim,) * num_kv_heads
+    return LayerWidths(name, head_dim, LayerDims(full, full, num_heads // num_kv_heads, bands(k_runs), bands(v_runs)))
+
+
+def _bits_layers(head_dim: int, **shape) -> list[LayerWidths]:
+    """4 bits everywhere, and a mix like an export's at ~0.3 of fp16 (wider codes on the first dims)."""
+    eighth = head_dim // 8
+    return [bits_layer("bits 4", [(4, head_dim)], [(4, head_dim)], head_dim=head_dim, **shape),
+            bits_layer("bits 8/5/4 | 6/4", [(8, eighth), (5, 3 * eighth), (4, 4 * eighth)],
+                       [(6, 2 * eighth), (4, 6 * eighth)], head_dim=head_dim, **shape)]
+
+
+def _bits_rows(layer: LayerWidths, b: int, s: int, dtype, device, gen) -> tuple:
+    """Random keys/values of the layer's widths encoded into its band rows [B, S, bytes] (uint8). At most 4,096
+    distinct tokens are encoded and then tiled (the encoder unpacks bit by bit: 64 × 32K tokens would need tens
+    of GB); the kernel's time does not depend on which codes it reads."""
+    from kvfold_runtime import encode_band_rows
+
+    d = layer.dims
+    n = min(b * s, 4096)
+    rows = []
+    for widths, bands in ((d.d_k, d.k_bands), (d.d_v, d.v_bands)):
+        x = torch.randn(n, sum(widths), generator=gen, device=device, dtype=torch.float32)
+        codes = encode_band_rows(x, widths, bands)
+        rows.append(codes.repeat(-(-b * s // n), 1)[: b * s].reshape(b, s, -1).contiguous())
+    return tuple(rows)
 
 
 def _export_layer(path: Path) -> LayerWidths:
@@ -153,10 +196,18 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
 
     scaling = d ** -0.5
     t_sdpa = _time_sdpa(rand, b, h, g, 1, s, d, timed, reps)
-    q, k, v = rand(b, 1, layer.group * sum(layer.d_k)), rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
-    args = (q, k, v, layer.d_k, layer.d_v, layer.group)
     row = {"kind": "decode", "layer": layer.name, "p": round(layer.p, 4), "batch": b, "context": s,
            "sdpa_us": round(t_sdpa * 1e6, 1), "ideal_ratio": round(1 - layer.p, 4)}
+    q = rand(b, 1, layer.group * sum(layer.d_k))
+    if layer.dims.banded:
+        k_rows, v_rows = _bits_rows(layer, b, s, dtype, device, gen)
+        t = timed(lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), reps)
+        row["kvfold_triton_bits_us"], row["kvfold_triton_bits_ratio"] = round(t * 1e6, 1), round(t / t_sdpa, 3)
+        row["kvfold_triton_bits_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
+        row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
+        return row
+    k, v = rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
+    args = (q, k, v, layer.d_k, layer.d_v, layer.group)
     for name, fn in (("kvfold_triton", lambda: rt.decode_attention(*args, scaling=scaling)),
                      ("kvfold_triton_balanced", lambda: rt.decode_attention(*args, scaling=scaling, balanced=True)),
                      ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
@@ -179,10 +230,16 @@ def _prefill_row(layer: LayerWidths, t: int, dtype, device, timed, reps: int) ->
 
     scaling = d ** -0.5
     t_sdpa = _time_sdpa(rand, 1, h, g, t, t, d, timed, reps)
-    q, k, v = rand(1, t, layer.group * sum(layer.d_k)), rand(1, t, sum(layer.d_k)), rand(1, t, sum(layer.d_v))
-    args = (q, k, v, layer.d_k, layer.d_v, layer.group)
     row = {"kind": "prefill", "layer": layer.name, "p": round(layer.p, 4), "tokens": t,
            "sdpa_us": round(t_sdpa * 1e6, 1), "flop_ratio": round(layer.flop_ratio, 4)}
+    q = rand(1, t, layer.group * sum(layer.d_k))
+    if layer.dims.banded:
+        k_rows, v_rows = _bits_rows(layer, 1, t, dtype, device, gen)
+        tm = timed(lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), reps)
+        row["kvfold_triton_bits_us"], row["kvfold_triton_bits_ratio"] = round(tm * 1e6, 1), round(tm / t_sdpa, 3)
+        return row
+    k, v = rand(1, t, sum(layer.d_k)), rand(1, t, sum(layer.d_v))
+    args = (q, k, v, layer.d_k, layer.d_v, layer.group)
     for name, fn in (("kvfold_triton", lambda: rt.prefill_attention(*args, scaling=scaling)),
                      ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
         tm = timed(fn, reps)
@@ -202,6 +259,7 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
         raise KVFoldError(f"--dtype {dtype}: use bfloat16, float16 or float32")
     shape = dict(num_heads=8, num_kv_heads=2, head_dim=32) if smoke else LLAMA3_8B
     layers = [synthetic_layer(p, uneven, **shape) for p in (0.25, 0.5) for uneven in (False, True)]
+    layers += _bits_layers(**shape)
     if export is not None:
         layers.insert(0, _export_layer(Path(export)))
     timed = _timer(device)
@@ -217,10 +275,13 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
         "torch_version": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else
         f"{platform.machine()} CPU (Triton interpreter: timings meaningless)", "dtype": dtype, "smoke": smoke,
         "layers": [{"name": w.name, "num_heads": w.num_heads, "head_dim": w.head_dim, "d_k": w.d_k, "d_v": w.d_v,
-                    "p": round(w.p, 4)} for w in layers],
+                    "p": round(w.p, 4), "bytes_per_token": sum(w.dims.row_bytes(torch_dtype.itemsize))}
+                   for w in layers],
         "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
         "notes": ["ratio = time / uncompressed SDPA's time on the same shape in this run; decode's ideal is 1 − p "
-                  "(bytes read), prefill's the FLOP ratio Σ_h (d_k + d_v) / 2·H·d"],
+                  "(bytes read), prefill's the FLOP ratio Σ_h (d_k + d_v) / 2·H·d (a bits layer's FLOPs are SDPA's: "
+                  "it dequantizes every kept dim)",
+                  "bits layers: p against 16-bit numbers; kvfold_triton_bits reads the band codes"],
     }
 
 
@@ -234,7 +295,8 @@ def draw(report: dict, path: Path) -> None:
     for ax, kind in zip(axes, ("decode", "prefill"), strict=True):
         rows = [r for r in report["rows"] if r["kind"] == kind]
         longest = max(r["context" if kind == "decode" else "tokens"] for r in rows)
-        for method, marker in (("kvfold_triton", "o"), ("kvfold_triton_balanced", "^"), ("kvfold_torch", "s")):
+        for method, marker in (("kvfold_triton", "o"), ("kvfold_triton_balanced", "^"), ("kvfold_torch", "s"),
+                               ("kvfold_triton_bits", "D")):
             pts = [(r["p"], r[f"{method}_ratio"], r) for r in rows if f"{method}_ratio" in r
                    and r["context" if kind == "decode" else "tokens"] == longest]
             if pts:

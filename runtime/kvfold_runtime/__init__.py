@@ -21,7 +21,8 @@ The bit-band cache format of `--format bits` exports (a head's rotated dims in c
 bit width, a one-byte scale per band per token; layout in `kvfold_runtime.bands`): `Band`,
 `BAND_SCALES` (scale formats → bytes), `bands_from_bits` (a head's per-dim widths → its bands),
 `band_row_bytes` (bytes per token of a head's row: codes and scales), `band_roundtrip` (quantize then
-dequantize, what the cache's reader sees) and `pack_bits` (b-bit codes as a little-endian bit stream).
+dequantize, what the cache's reader sees), `encode_band_rows` (heads at their widths → their cached rows of codes
+and scales, as the runtimes write them) and `pack_bits` (b-bit codes as a little-endian bit stream).
 
 `kvfold_runtime.vllm` is vLLM's plugin (entry point `vllm.general_plugins`): with this package installed,
 `vllm serve EXPORTED_DIR` and `vllm.LLM(model=EXPORTED_DIR)` serve exports from a paged cache that holds
@@ -33,6 +34,7 @@ from kvfold_runtime.bands import LEGACY_SCALE as LEGACY_BAND_SCALE
 from kvfold_runtime.bands import SCALES as BAND_SCALES
 from kvfold_runtime.bands import WIDTHS as BAND_WIDTHS
 from kvfold_runtime.bands import Band, bands_from_bits, pack_bits
+from kvfold_runtime.bands import encode_heads as encode_band_rows
 from kvfold_runtime.bands import roundtrip as band_roundtrip
 from kvfold_runtime.bands import row_bytes as band_row_bytes
 from kvfold_runtime.cache import kv_cache_bytes
@@ -67,10 +69,10 @@ __version__ = "0.1.0"
 __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "LEGACY_BAND_SCALE", "MANIFEST",
            "Q_POST", "SCHEMA_VERSION", "Band", "BandRows", "ConfigBlock", "Family", "LayerDims", "NumberRows",
            "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits", "bits_attention", "check_export",
-           "check_schema", "decode_attention", "head_dim", "kernels_for", "kv_cache_bytes", "model_dims", "pack_bits",
-           "paged_attention", "paged_bits_attention", "paged_decode_attention", "paged_prefill_attention",
-           "prefill_attention", "reference_attention", "register", "row_codec", "runtime_class", "runtime_class_name",
-           "sdpa_attention", "tensor_shapes", "write_paged"]
+           "check_schema", "decode_attention", "encode_band_rows", "head_dim", "kernels_for", "kv_cache_bytes",
+           "model_dims", "pack_bits", "paged_attention", "paged_bits_attention", "paged_decode_attention",
+           "paged_prefill_attention", "prefill_attention", "reference_attention", "register", "row_codec",
+           "runtime_class", "runtime_class_name", "sdpa_attention", "tensor_shapes", "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
            "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill",

@@ -3,18 +3,24 @@ process, and the JSON carries what each one took."""
 
 import json
 
+import torch
+
 from tests.bench.test_cli import run
 from tests.test_cli import assert_user_error
 
 
 def test_compile_times_every_stage(tmp_path):
     out = tmp_path / "compile.json"
+    # 2 GiB held (and touched) by this process while it forks the stages: a stage's peak RSS must be its own
+    # (ru_maxrss of a child starts at its parent's RSS at fork: on a GPU the parent holds the 8B model it wrote)
+    held = torch.ones(2**29)
     result = run("compile", "--shape", "tiny-llama", "--tokens", 1024, "--dtype", "float32",
                  "--device", "cpu", "--json", out)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert [s["stage"] for s in report["stages"]] == ["calibrate", "export", "verify"]
-    assert all(s["rc"] == 0 and s["wall_s"] > 0 and s["peak_rss_mib"] > 100 for s in report["stages"])
+    assert all(s["rc"] == 0 and s["wall_s"] > 0 and 100 < s["peak_rss_mib"] < 1800 for s in report["stages"])
+    del held
     assert report["total_s"] >= sum(s["wall_s"] for s in report["stages"]) - 0.2
     # random weights: a target every candidate meets, so the search walks its whole path (10 candidates; on this
     # model's 16-dim heads, rounded to 8, fewer distinct rank sets, each scored once)

@@ -19,7 +19,21 @@ __all__ = ["sdpa_attention"]
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+    if x.shape[-1] != width:
+        return F.pad(x, (0, width - x.shape[-1]))
+    if x.is_cuda and not _aligned(x):
+        # a head's slice of a packed row starts wherever the widths before it end, and its rows are Σ widths apart;
+        # CUDA's fused SDPA kernels (cuDNN, flash) read 16-byte vectors and fail with "misaligned address" on such
+        # a view (seen on an H200, torch 2.11): give them a copy of their own
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    """Its start and every stride but the last fall on 16-byte boundaries."""
+    size = x.element_size()
+    strides = zip(x.stride()[:-1], x.shape[:-1], strict=True)
+    return x.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st, n in strides if n > 1)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int], d_v: list[int],
