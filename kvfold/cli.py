@@ -169,8 +169,9 @@ def inspect(calib_dir: Annotated[Path, typer.Argument(help="A directory written 
 
 
 @app.command()
-def prepare(model: Annotated[str, typer.Argument(help="'smollm2' or a local HF model folder.")]) -> None:
-    """Resolve a model (building the embedded default's cache once) and print its folder."""
+def prepare(model: Annotated[str, typer.Argument(help="'smollm2', 'qwen2.5-coder-1.5b' (after ./scripts/setup.sh "
+                                                     "--with-qwen) or a local HF model folder.")]) -> None:
+    """Resolve a model (building an alias's folder from its PyPI packages once) and print its folder."""
     from kvfold import api
 
     with user_errors():

