@@ -26,7 +26,7 @@ from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify import DEFAULT_TEXTS, VerifyReport, verify
 
 __all__ = ["DEFAULT_TEXTS", "CalibResult", "ExportResult", "Recipe", "RecipeOverrides", "VerifyReport", "calibrate",
-           "export", "inspect", "load_recipe", "prepare", "verify"]
+           "export", "inspect", "load_recipe", "perplexity", "prepare", "verify"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,23 @@ class CalibResult:
 def prepare(model: str) -> Path:
     """Resolve a model argument (building an embedded default's cache if needed); return its folder."""
     return resolve_model(model).path
+
+
+def perplexity(model: str, texts: list[str], tokens: int, dtype: str | None = None,
+               seq_len: int = 512) -> dict[str, tuple[float, float]]:
+    """The model's own perplexity and next-token top-1 accuracy on `tokens` of each text, in `seq_len`-token
+    windows (the export search's), in `dtype` (default: the checkpoint's): a sanity check of a converted model."""
+    from kvfold.measure.evaluate import score_model
+    from kvfold.sources.models import source_dtype
+
+    ref = resolve_model(model)
+    tokenizer = load_tokenizer(ref.path)
+    net = load_model(ref, dtype or source_dtype(ref))
+    out = {}
+    for text in texts:
+        metrics = score_model(net, text_sequences(tokenizer, resolve_text(text), tokens, seq_len, seed=0), batch=4)
+        out[text] = (float(torch.tensor(metrics.nll).exp()), metrics.top1)
+    return out
 
 
 def calibrate(

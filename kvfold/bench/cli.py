@@ -237,8 +237,9 @@ def openai(
 
 @app.command()
 def compile(  # the command's name
-    shape: Annotated[str, typer.Option(help="smollm2 (the real weights), llama3-8b or qwen2-7b (exact configs, "
-                                       "seeded random weights).")] = "smollm2",
+    shape: Annotated[str, typer.Option(help="smollm2 or qwen2.5-coder-1.5b (real weights), llama3-8b or qwen2-7b "
+                                       "(exact configs, seeded random weights).")] = "smollm2",
+    fmt: Annotated[str, typer.Option("--format", help="The export's format: rank or bits.")] = "rank",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Model dtype while calibrating and searching.")] = "bfloat16",
     verify_dtype: Annotated[str | None, typer.Option(help="Dtype of both models in verify [--dtype].")] = None,
@@ -250,7 +251,7 @@ def compile(  # the command's name
     from kvfold.bench.compile import bench_compile
 
     with user_errors():
-        report = bench_compile(shape, device, dtype, verify_dtype or dtype, tokens)
+        report = bench_compile(shape, device, dtype, verify_dtype or dtype, tokens, fmt)
     text = json.dumps(report, indent=2)
     if json_out is not None:
         atomic_write_text(json_out, text + "\n")

@@ -6,7 +6,9 @@ Each stage is the real `kvfold` command, run in its own process (`python -m kvfo
 peak RSS is its own (os.wait4) and its peak CUDA memory is torch's high-water mark inside it. This module never
 imports kvfold.cli: the bench sits beside the product's CLI, not on top of it.
 
-Shapes: `smollm2` is the real embedded model. `llama3-8b` and `qwen2-7b` are those architectures' exact
+Shapes: `smollm2` and `qwen2.5-coder-1.5b` are real models (the aliases of `kvfold prepare`; the coder model
+calibrates on wiki + Python source, searches on wiki:dev+pysrc:dev and is verified on wiki, pydoc and pysrc).
+`llama3-8b` and `qwen2-7b` are those architectures' exact
 configs with seeded random weights, written to a temporary folder in the bench's dtype with SmolLM2's
 tokenizer (its ids fit both vocabularies): real 8B weights are not reachable here, and the code path is the
 same. Random weights have no meaningful accuracy, so for them the export's target is one every candidate
@@ -29,7 +31,11 @@ from pathlib import Path
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["SHAPES", "bench_compile"]
+__all__ = ["SHAPES", "TEXTS", "bench_compile"]
+
+# real models' texts: (calibrate --text, export --eval-text, verify --eval-text ...); others use the defaults
+TEXTS = {"qwen2.5-coder-1.5b": ("wiki:calib+pysrc:calib", "wiki:dev+pysrc:dev",
+                                ("wiki:eval", "pydoc:eval", "pysrc:eval"))}
 
 # `python -m kvfold ARGS` (runpy runs kvfold/__main__.py as -m does), plus one exit hook: torch's CUDA
 # high-water mark of the process, to the file named before ARGS. atexit hooks run after the CLI's SystemExit.
@@ -58,6 +64,7 @@ runpy.run_module("kvfold", run_name="__main__", alter_sys=True)
 _LLAMA_TOKENS = dict(bos_token_id=1, eos_token_id=2)  # SmolLM2's tokenizer's ids
 SHAPES: dict[str, dict | None] = {
     "smollm2": None,  # the real weights
+    "qwen2.5-coder-1.5b": None,
     # meta-llama/Meta-Llama-3-8B config.json
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -75,7 +82,7 @@ SHAPES: dict[str, dict | None] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
-def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int) -> dict:
+def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int, fmt: str = "rank") -> dict:
     from kvfold.sources.models import DTYPES, resolve_device
 
     if shape not in SHAPES:
@@ -85,6 +92,8 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
             raise KVFoldError(f"{flag} must be one of {', '.join(DTYPES)}, got '{value}'")
     if tokens < 1:
         raise KVFoldError(f"--tokens must be at least 1, got {tokens}")
+    if fmt not in ("rank", "bits"):
+        raise KVFoldError(f"--format must be rank or bits, got '{fmt}'")
     device = resolve_device(device)
     if device == "cpu" and shape.endswith(("-7b", "-8b")):
         raise KVFoldError(f"--shape {shape} is a GPU benchmark (its calibration alone would take hours on a CPU); "
@@ -98,13 +107,16 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
         common = ["--device", device]
         random = SHAPES[shape] is not None
         target = ["--accuracy", "1e-6", "--metric", "ppl", "--margin", "0"] if random else ["--accuracy", "0.99"]
+        calib_text, search, checked = TEXTS.get(shape, ("wiki:calib", None, ()))
+        search_args = [] if search is None else ["--eval-text", search]
+        verify_args = [arg for text in checked for arg in ("--eval-text", text)]
         stages = [
-            ("calibrate", ["calibrate", model, "--source", "text", "--text", "wiki:calib", "--tokens", str(tokens),
+            ("calibrate", ["calibrate", model, "--source", "text", "--text", calib_text, "--tokens", str(tokens),
                            "--dtype", dtype, "-o", str(calib), *common]),
-            ("export", ["export", model, "--calib", str(calib), *target, "--eval-tokens", str(tokens),
-                        "--dtype", dtype, "-o", str(out), *common]),
-            ("verify", ["verify", str(out), "--against", model, "--eval-tokens", str(tokens), "--dtype", verify_dtype,
-                        "--json", *common]),
+            ("export", ["export", model, "--calib", str(calib), *target, "--format", fmt, *search_args,
+                        "--eval-tokens", str(tokens), "--dtype", dtype, "-o", str(out), *common]),
+            ("verify", ["verify", str(out), "--against", model, *verify_args, "--eval-tokens", str(tokens),
+                        "--dtype", verify_dtype, "--json", *common]),
         ]
         results = []
         for name, args in stages:
@@ -121,7 +133,8 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
         r.pop("stdout", None)
         r.pop("candidates_scored", None)
     return {
-        "benchmark": "compile", "shape": shape, "random_weights": random, "device": device, "dtype": dtype,
+        "benchmark": "compile", "shape": shape, "format": fmt, "random_weights": random, "device": device,
+        "dtype": dtype,
         "verify_dtype": verify_dtype, "tokens": tokens, "threads": _threads(), "build_model_s": round(build_s, 1),
         "stages": results, "total_s": round(sum(r["wall_s"] for r in results), 1),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
@@ -129,7 +142,8 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
         "export": {"candidates_scored": scored, "allocation": manifest["allocation"],
                    "compression": manifest["chosen"]["compression"], "target": manifest["target"]},
         "verify": {"ok": report.get("ok"), "failed": [c["name"] for c in report.get("checks", []) if not c["ok"]],
-                   "meaningful": not random},
+                   "meaningful": not random,
+                   "checks": [{k: c.get(k) for k in ("name", "ok", "detail")} for c in report.get("checks", [])]},
     }
 
 
@@ -139,7 +153,7 @@ def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
     from kvfold.sources.embedded import ensure_embedded
 
     if SHAPES[shape] is None:
-        return "smollm2"
+        return shape  # a real model's alias
     smollm2 = ensure_embedded("smollm2")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
