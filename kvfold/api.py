@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ def perplexity(model: str, texts: list[str], tokens: int, dtype: str | None = No
     out = {}
     for text in texts:
         metrics = score_model(net, text_sequences(tokenizer, resolve_text(text), tokens, seq_len, seed=0), batch=4)
-        out[text] = (float(torch.tensor(metrics.nll).exp()), metrics.top1)
+        out[text] = (math.exp(metrics.nll), metrics.top1)
     return out
 
 

@@ -124,7 +124,7 @@ def _bits_layers(head_dim: int, **shape) -> list[LayerWidths]:
                        [(6, 2 * eighth), (4, 6 * eighth)], head_dim=head_dim, **shape)]
 
 
-def _bits_rows(layer: LayerWidths, b: int, s: int, dtype, device, gen) -> tuple:
+def _bits_rows(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
     """Random keys/values of the layer's widths encoded into its band rows [B, S, bytes] (uint8). At most 4,096
     distinct tokens are encoded and then tiled (the encoder unpacks bit by bit: 64 × 32K tokens would need tens
     of GB); the kernel's time does not depend on which codes it reads."""
@@ -185,6 +185,13 @@ def _time_sdpa(rand, b: int, h: int, g: int, t: int, s: int, d: int, timed, reps
     return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True), reps)
 
 
+def _time_into(row: dict, name: str, fn, t_sdpa: float, timed, reps: int) -> float:
+    """Time `fn` and write its microseconds and its ratio to SDPA's time into `row` as NAME_us / NAME_ratio."""
+    t = timed(fn, reps)
+    row[f"{name}_us"], row[f"{name}_ratio"] = round(t * 1e6, 1), round(t / t_sdpa, 3)
+    return t
+
+
 def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: int) -> dict:
     import kvfold_runtime as rt
 
@@ -200,9 +207,9 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
            "sdpa_us": round(t_sdpa * 1e6, 1), "ideal_ratio": round(1 - layer.p, 4)}
     q = rand(b, 1, layer.group * sum(layer.d_k))
     if layer.dims.banded:
-        k_rows, v_rows = _bits_rows(layer, b, s, dtype, device, gen)
-        t = timed(lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), reps)
-        row["kvfold_triton_bits_us"], row["kvfold_triton_bits_ratio"] = round(t * 1e6, 1), round(t / t_sdpa, 3)
+        k_rows, v_rows = _bits_rows(layer, b, s, device, gen)
+        t = _time_into(row, "kvfold_triton_bits",
+                       lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), t_sdpa, timed, reps)
         row["kvfold_triton_bits_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
         row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
         return row
@@ -211,8 +218,7 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
     for name, fn in (("kvfold_triton", lambda: rt.decode_attention(*args, scaling=scaling)),
                      ("kvfold_triton_balanced", lambda: rt.decode_attention(*args, scaling=scaling, balanced=True)),
                      ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
-        t = timed(fn, reps)
-        row[f"{name}_us"], row[f"{name}_ratio"] = round(t * 1e6, 1), round(t / t_sdpa, 3)
+        _time_into(row, name, fn, t_sdpa, timed, reps)
     kv_bytes = b * s * sum(layer.dims.row_bytes(q.element_size()))
     row["kvfold_triton_tb_per_s"] = round(kv_bytes / (row["kvfold_triton_us"] * 1e-6) / 1e12, 3)
     row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
@@ -234,16 +240,15 @@ def _prefill_row(layer: LayerWidths, t: int, dtype, device, timed, reps: int) ->
            "sdpa_us": round(t_sdpa * 1e6, 1), "flop_ratio": round(layer.flop_ratio, 4)}
     q = rand(1, t, layer.group * sum(layer.d_k))
     if layer.dims.banded:
-        k_rows, v_rows = _bits_rows(layer, 1, t, dtype, device, gen)
-        tm = timed(lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), reps)
-        row["kvfold_triton_bits_us"], row["kvfold_triton_bits_ratio"] = round(tm * 1e6, 1), round(tm / t_sdpa, 3)
+        k_rows, v_rows = _bits_rows(layer, 1, t, device, gen)
+        _time_into(row, "kvfold_triton_bits",
+                   lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), t_sdpa, timed, reps)
         return row
     k, v = rand(1, t, sum(layer.d_k)), rand(1, t, sum(layer.d_v))
     args = (q, k, v, layer.d_k, layer.d_v, layer.group)
     for name, fn in (("kvfold_triton", lambda: rt.prefill_attention(*args, scaling=scaling)),
                      ("kvfold_torch", lambda: rt.sdpa_attention(*args, scaling=scaling))):
-        tm = timed(fn, reps)
-        row[f"{name}_us"], row[f"{name}_ratio"] = round(tm * 1e6, 1), round(tm / t_sdpa, 3)
+        _time_into(row, name, fn, t_sdpa, timed, reps)
     return row
 
 

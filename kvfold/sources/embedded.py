@@ -83,10 +83,7 @@ def ensure_embedded(alias: str) -> Path:
 
 
 def _part_file(module: str, pip_name: str, rel: str, install: str) -> Path:
-    try:
-        path = package_dir(module, pip_name) / rel
-    except KVFoldError:
-        raise KVFoldError(f"data package '{pip_name}' is not installed; run {install}") from None
+    path = package_dir(module, pip_name, install) / rel
     if not path.is_file():
         raise KVFoldError(f"'{rel}' missing from package {pip_name}; reinstall it with --no-deps ({install})")
     return path
