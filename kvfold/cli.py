@@ -108,6 +108,9 @@ def export(
     dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32, bfloat16 or "
                                               f"float16 {_default('dtype')}; the written weights keep the source's "
                                               "dtype.")] = None,
+    tp: Annotated[int | None, typer.Option(help="Balance the widths for vLLM's --tensor-parallel-size TP: every "
+                                           "rank's KV heads hold equal widths, no rank pads its cache "
+                                           f"{_default('tp')}.")] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
@@ -119,7 +122,7 @@ def export(
         options = api.load_recipe(recipe, RecipeOverrides(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
-            format=format, context=context, dtype=dtype, passkey=passkey))
+            format=format, context=context, dtype=dtype, passkey=passkey, tp=tp))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))

@@ -36,9 +36,13 @@ TINY_CONFIGS = {
 ROPE_ARCHS = [a for a in TINY_CONFIGS if not a.startswith(("GPT2", "OPT"))]
 
 
-def build_tiny(arch: str):
+def build_tiny(arch: str, **overrides):
+    """The tiny seeded model of `arch`; `overrides`: config fields to change (e.g. more heads)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32).eval()
+    config = TINY_CONFIGS[arch]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # HF's default init (std 0.02) gives near-uniform attention; a wider spread makes spectra and
     # attention patterns non-trivial, so the tests can tell right from wrong.
     with torch.no_grad():

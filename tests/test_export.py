@@ -306,3 +306,28 @@ def test_reuse_keeps_the_recorded_layer_scales(setup, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     m = Manifest.load(second)
     assert m.layer_scales() == weights and (m.chosen, m.d_k, m.d_v) == (prev.chosen, prev.d_k, prev.d_v)
+
+
+def test_tp_balances_every_layer_over_the_ranks_and_is_recorded(setup, tmp_path):
+    from kvfold_runtime import ConfigBlock
+    from kvfold_runtime.sharding import check_tensor_parallel, padding_fraction
+
+    out = tmp_path / "tp"
+    result = _export(setup, out, "--ratio", 0.3, "--tp", 2, "--multiple", 1, "--min-rank", 1, "--passkey", 0)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(out)
+    assert m.tensor_parallel == 2 and m.chosen.compression >= 0.3
+    layers = ConfigBlock(m.d_k, m.d_v, True).layers(4, 2)
+    assert padding_fraction(layers, 2) == 0  # the tiny model's 2 KV heads: one per rank, equal widths
+    assert all(len(set(row)) == 1 for row in m.d_k + m.d_v)
+    check_tensor_parallel(layers, 2)
+    unbalanced = _export(setup, tmp_path / "one", "--ratio", 0.3, "--multiple", 1, "--min-rank", 1, "--passkey", 0)
+    assert unbalanced.exit_code == 0 and Manifest.load(tmp_path / "one").tensor_parallel == 1
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tp", 3], "--tp 3: the model's 2 KV heads do not split over 3 tensor-parallel ranks"),
+    (["--tp", 2, "--format", "bits"], "--tp balances the rank format's widths"),
+])
+def test_tp_bad_input(setup, tmp_path, flags, message):
+    assert_user_error(_export(setup, tmp_path / "x", "--accuracy", 0.9, *flags), message, tmp_path / "x")

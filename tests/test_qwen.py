@@ -59,3 +59,35 @@ def test_calibrate_export_verify(qwen, tmp_path, fmt, accuracy):
     checks = {c["name"]: c for c in report["checks"]}
     assert "target pysrc:eval" in checks and checks["target pysrc:eval"]["ok"], checks
     assert done.exit_code == 0, report
+
+
+@pytest.mark.vllm
+def test_tensor_parallel_2_in_vllm_gives_one_workers_tokens(qwen, tmp_path):
+    """Qwen2.5-Coder's 2 KV heads, one per rank: an export balanced for --tp 2 (a compression target: no search
+    to run) serves at tensor_parallel_size=2 with the greedy tokens it gives on one worker (8 pysrc:eval prompts ×
+    32 tokens, float32), and each rank's pool holds twice the tokens of one worker's at the same budget."""
+    from kvfold.sources.text import resolve_text
+    from kvfold.sources.tokenizer import load_tokenizer
+    from kvfold_runtime import ConfigBlock
+    from kvfold_runtime.sharding import padding_fraction
+    from tests.runtime.vllm_engine import run_engine
+
+    runner = CliRunner()
+    calib, out = tmp_path / "calib", tmp_path / "export"
+    done = runner.invoke(app, ["calibrate", ALIAS, "--text", "wiki:calib+pysrc:calib", "--tokens", "2048",
+                               "--dtype", "bfloat16", "-o", str(calib)])
+    assert done.exit_code == 0, done.output
+    done = runner.invoke(app, ["export", ALIAS, "--calib", str(calib), "--ratio", "0.05", "--tp", "2",
+                               "--eval-tokens", "512", "--dtype", "bfloat16", "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    manifest = Manifest.load(out)
+    layers = ConfigBlock(manifest.d_k, manifest.d_v, True).layers(12, 2)
+    assert manifest.tensor_parallel == 2 and padding_fraction(layers, 2) == 0
+    tokenizer = load_tokenizer(qwen)
+    prompts = [tokenizer(doc).input_ids[:48] for doc in resolve_text("pysrc:eval")[:8]]
+    budget = 64 << 20
+    one, two = (run_engine(out, prompts, kv_cache_bytes=budget, max_model_len=512, tensor_parallel=tp, timeout=1200)
+                for tp in (1, 2))
+    assert "error" not in one and "error" not in two, (one.get("error"), two.get("error"))
+    assert two["tokens"] == one["tokens"]
+    assert two["kv_blocks"] * two["block_size"] >= 2 * 0.97 * one["kv_blocks"] * one["block_size"]

@@ -31,12 +31,14 @@ from kvfold.bench.serve_point import (
     PROBE_TOKENS,
     Workload,
     agreement,
+    cpu_threads_bind,
 )
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
 
-__all__ = ["DEFAULT_KV_DTYPES", "KV_DTYPES", "bench_serve", "capacity_figures", "layout_capacities"]
+__all__ = ["DEFAULT_KV_DTYPES", "KV_DTYPES", "bench_serve", "capacity_figures", "layout_capacities",
+           "tensor_parallel_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,11 @@ def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]]
         if reference is not None:
             (Path(tmp) / "reference.json").write_text(json.dumps(reference))
             cmd += [f"--reference={Path(tmp) / 'reference.json'}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        workers = args["tensor_parallel"] * args["pipeline_parallel"]
+        if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)  # ignored by vLLM's GPU builds
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0 or not out.exists():
             return {"error": _why(done.stdout + done.stderr)}
         return json.loads(out.read_text())
@@ -132,6 +138,18 @@ def _names(exports: list[Path]) -> list[str]:
     return names
 
 
+def tensor_parallel_figures(run: dict, manifest: Manifest, budget: int, dtype: str, size: int) -> dict:
+    """Each tensor-parallel rank's KV capacity (vLLM's block count in the rank's `budget`) against the ideal split:
+    every rank holding 1/size of the export's bytes per token. Below 1 by what padding uneven ranks costs
+    (kvfold_runtime.sharding), and by a block's rounding."""
+    nominal = manifest.config_block().bytes_per_token(_BYTES[dtype])
+    ideal = budget * size // nominal
+    capacity = run["kv_blocks"] * run["block_size"]
+    return {"size": size, "balanced_for": manifest.tensor_parallel, "rank_budget_bytes": budget,
+            "rank_ideal_bytes_per_token": round(nominal / size, 1), "rank_ideal_kv_token_capacity": ideal,
+            "capacity_vs_ideal": round(capacity / ideal, 4), "within_3_percent": capacity >= 0.97 * ideal}
+
+
 def _export_entry(run: dict, manifest: Manifest, original: dict, budget: int, dtype: str) -> dict:
     """An export's run with its format's own bytes per token and the capacity ratio those promise."""
     fmt = "rank" if manifest.k_bits is None else "bits"
@@ -142,6 +160,8 @@ def _export_entry(run: dict, manifest: Manifest, original: dict, budget: int, dt
              "capacity_target_met": run["kv_token_capacity"] >= 0.97 * ideal * original["kv_token_capacity"]}
     if fmt == "rank":  # the lead the plugin follows, against the alternatives, by vLLM's page formula
         entry["layouts"] = layout_capacities(manifest, budget, run["block_size"], dtype)
+    if run["tensor_parallel_size"] > 1 and run["pipeline_parallel_size"] == 1:
+        entry["tensor_parallel"] = tensor_parallel_figures(run, manifest, budget, dtype, run["tensor_parallel_size"])
     return entry
 
 
@@ -176,7 +196,8 @@ def _check_passkeys_fit(tokenizer_dir: Path, context: int) -> None:
 
 
 def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_dtypes: list[str],
-                workload: Workload, dtype: str, eager: bool) -> dict:
+                workload: Workload, dtype: str, eager: bool, tensor_parallel: int = 1,
+                pipeline_parallel: int = 1) -> dict:
     for name in kv_dtypes:
         if name not in KV_DTYPES:
             raise KVFoldError(f"--kv-cache-dtype {name!r} is not one of vLLM 0.32's: {', '.join(KV_DTYPES)} (or none)")
@@ -190,7 +211,8 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
         _check_passkeys_fit(source.path, workload.long_prompt_tokens)
     budget = kv_cache_mib << 20
     args = {"kv_cache_bytes": budget, **{k: v for k, v in asdict(workload).items() if k != "which"},
-            "workload": workload.which, "dtype": dtype, "eager": eager}
+            "workload": workload.which, "dtype": dtype, "eager": eager, "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel}
 
     def one(label: str, model: str, extra: dict | None = None, reference=None, must_run: bool = True) -> dict:
         log.info("serve: %s in a fresh vLLM engine", label)
@@ -230,5 +252,6 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
     if workload.which in ("all", "long"):
         shapes["long_context"] = {"prompt_tokens": workload.long_prompt_tokens, "new_tokens": workload.long_new_tokens}
     return {"benchmark": "serve", "engine": "vllm", "original": str(source.path), "dtype": dtype,
-            "kv_cache_mib": kv_cache_mib, "kv_cache_memory_bytes": budget, "eager": eager, "workloads": shapes,
+            "kv_cache_mib": kv_cache_mib, "kv_cache_memory_bytes": budget, "eager": eager,
+            "tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel, "workloads": shapes,
             "configurations": configs}

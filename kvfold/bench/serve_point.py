@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,10 +124,22 @@ def _drive(engine, prompts: list[list[int]], params) -> dict:
             "first_token_s": (first or end) - t0, "after_first_s": end - (first or end)}
 
 
+def cpu_threads_bind(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: this process's cores in contiguous sets, "0,1|2,3" (a
+    core serves two workers when there are fewer cores than workers). vLLM's CPU build binds each worker to a NUMA
+    node by default and refuses more workers than nodes ("Not enough allowed NUMA nodes"); one node here."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // workers)
+    sets = [cores[(i * per) % len(cores):(i * per) % len(cores) + per] for i in range(workers)]
+    return "|".join(",".join(map(str, s)) for s in sets)
+
+
 def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dtype: str, shape: Workload,
-               dtype: str, eager: bool, reference: dict | None = None) -> dict:
+               dtype: str, eager: bool, reference: dict | None = None, tensor_parallel: int = 1,
+               pipeline_parallel: int = 1) -> dict:
     """In this process: one engine, its KV capacity, the probe, then the workloads `shape` names; `reference`:
-    the original's probe at kv_cache_dtype="auto" (its "probe_run")."""
+    the original's probe at kv_cache_dtype="auto" (its "probe_run"). With tensor or pipeline parallelism the
+    engine's workers are vLLM's multiprocessing executor's, and kv_cache_bytes is each worker's budget."""
     if not (Path(model) / "config.json").is_file():
         raise KVFoldError(f"model folder '{model}' does not exist or has no config.json")
     from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -158,14 +171,19 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
     probe = [ids[len(ids) - (i + 1) * probe_len:][:probe_len] for i in range(PROBE_PROMPTS)]  # the text's end
     max_len = max(probe_len + PROBE_TOKENS, (prompt_tokens + new_tokens) * limited,
                   (long_prompt_tokens + max(long_new_tokens, 16)) * long)  # 16: room for a pass key's answer
+    parallel = {}
+    if tensor_parallel * pipeline_parallel > 1:
+        parallel = {"tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel,
+                    "distributed_executor_backend": "mp"}
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=model, dtype=dtype, kv_cache_memory_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype,
                    enforce_eager=eager, max_model_len=max_len, enable_prefix_caching=False,
-                   disable_log_stats=False, seed=0),
+                   disable_log_stats=False, seed=0, **parallel),
         stat_loggers=[Peaks])
     cache = engine.vllm_config.cache_config
     out = {"model": model, "kv_cache_dtype": kv_cache_dtype, "kv_cache_memory_bytes": kv_cache_bytes,
+           "tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel,
            "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
            "kv_token_capacity": cache.num_gpu_blocks * cache.block_size,
            "startup_s": round(time.perf_counter() - t0, 1)}

@@ -17,6 +17,7 @@ from kvfold.errors import KVFoldError
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportPlan, PreviousExport
 from kvfold.plan.point import Point
+from kvfold.plan.ranks import RankRule
 from kvfold.plan.sensitivity import LayerScales
 from kvfold.sources.models import ModelRef
 from kvfold_runtime import K_POST, LEGACY_BAND_SCALE, MANIFEST, Q_POST, SCHEMA_VERSION, ConfigBlock, check_schema
@@ -28,7 +29,7 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # scored on a mixture of texts carries each text's figures (`parts`). 1.4: `positions`, the context the
 # query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
-# (one-byte log8; before, float16).
+# (one-byte log8; before, float16). 1.7: `tensor_parallel`, the tensor-parallel size the widths were balanced for.
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
 # (kvfold_runtime.format): kvfold writes what every runtime reads.
@@ -98,6 +99,9 @@ class Manifest(_Frozen):
     baseline_ppl: float
     rounding_multiple: int
     min_rank: int
+    # the tensor-parallel size the widths were balanced for (export --tp; kvfold_runtime.sharding reads it when
+    # it refuses another size); 1: not balanced (and before 1.7)
+    tensor_parallel: int = 1
     allocation: str = "eq6"  # how r becomes per-layer rates: eq6 (one r) or sensitivity
     layer_scale_k: list[float] = []  # per-layer multipliers of r_k / r_v (sensitivity allocation)
     layer_scale_v: list[float] = []
@@ -142,6 +146,7 @@ class Manifest(_Frozen):
             eval_text=plan.baseline.eval_text, eval_tokens=plan.baseline.eval_tokens,
             baseline_top1=plan.baseline.top1, baseline_ppl=plan.baseline.ppl,
             rounding_multiple=multiple, min_rank=min_rank, allocation=plan.allocation,
+            tensor_parallel=plan.rule.tp if isinstance(plan.rule, RankRule) else 1,
             **_layer_fields(plan.scales), positions=plan.positions, search_dtype=plan.search_dtype,
             passkey=plan.passkey, head_dim=plan.layout.head_dim, num_heads=plan.layout.num_heads,
             num_kv_heads=plan.layout.num_kv_heads, d_k=plan.ranks.d_k, d_v=plan.ranks.d_v, k_bits=k_bits,
@@ -155,7 +160,8 @@ class Manifest(_Frozen):
         bits = self.k_bits is not None
         return PreviousExport(
             path=Path(path), weights_sha256=self.source.weights_sha256, stats_sha256=self.calibration.stats_sha256,
-            method=self.method, rounding=(self.rounding_multiple, self.min_rank), allocation=self.allocation,
+            method=self.method, rounding=(self.rounding_multiple, self.min_rank),
+            tensor_parallel=self.tensor_parallel, allocation=self.allocation,
             format="bits" if bits else "rank", band_scale=self.band_scale if bits else None,
             search_dtype=self.search_dtype, positions=self.positions, scales=self.layer_scales(),
             curve=tuple(self.curve), passkey=self.passkey,

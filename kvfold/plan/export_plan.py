@@ -42,6 +42,7 @@ class PreviousExport:
     stats_sha256: str
     method: str
     rounding: tuple[int, int]  # (multiple, min_rank)
+    tensor_parallel: int  # the tensor-parallel size its widths were balanced for (1: none)
     allocation: str
     format: str  # rank or bits
     band_scale: str | None  # bits format: the bands' scale format; None: rank format

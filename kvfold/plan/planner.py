@@ -90,7 +90,7 @@ def _rule(recipe: Recipe, scales: LayerScales | None, r: float, r_v: float | Non
     layers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
     if recipe.format == "bits":
         return BitRule(theta_k=r, theta_v=r_v, **layers)
-    return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, **layers)
+    return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, tp=recipe.tp, **layers)
 
 
 def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:

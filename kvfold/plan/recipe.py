@@ -77,6 +77,10 @@ class Recipe(BaseModel):
     # keys in prompts of this many tokens (capped at the model's context) as the original (plan/longrange.py).
     # 0: skip (an export for short contexts only).
     passkey: int = Field(default=4096, ge=0)
+    # Balance every layer's widths over this many tensor-parallel ranks (vLLM's --tensor-parallel-size): each
+    # rank's KV heads then hold equal widths, so no rank pads its cache (plan/ranks.balance,
+    # kvfold_runtime.sharding). Rank format; must divide the model's KV heads.
+    tp: int = Field(default=1, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -95,6 +99,9 @@ class Recipe(BaseModel):
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
         if 0 < self.passkey < 256:
             raise ValueError("passkey must be 0 (skip) or at least 256 tokens")
+        if self.format == "bits" and self.tp > 1:
+            raise ValueError("--tp balances the rank format's widths; a bits export's band rows are not balanced yet "
+                             "(serve it with tensor_parallel_size=1, or export --format rank --tp N)")
         if self.format == "bits" and self.ratio is not None:
             raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
         return self

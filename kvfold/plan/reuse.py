@@ -29,6 +29,10 @@ def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousE
     if stats.header.model.weights_sha256 != sha:
         raise KVFoldError(f"'{calib}' was calibrated on different weights than '{ref.spec}' (sha256 differs); "
                           f"run kvfold calibrate {ref.spec} first")
+    kv_heads = stats.header.model.num_kv_heads
+    if kv_heads % recipe.tp:
+        raise KVFoldError(f"--tp {recipe.tp}: the model's {kv_heads} KV heads do not split over {recipe.tp} "
+                          f"tensor-parallel ranks; give a --tp that divides {kv_heads}")
     if previous is not None:
         _check_reusable(previous, sha, stats, recipe)
     docs = None if previous else resolve_text(recipe.eval_text)
@@ -41,6 +45,7 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         ("calibration", prev.stats_sha256, stats.header.stats_sha256),
         ("method", prev.method, recipe.method),
         ("rank rounding", prev.rounding, recipe.rounding),
+        ("--tp", prev.tensor_parallel, recipe.tp),
         ("rank allocation", prev.allocation, recipe.allocation),
         ("cache format", prev.format, recipe.format),
         # bits exports before schema 1.6 stored float16 scales and did not mix their bands

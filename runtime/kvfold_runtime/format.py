@@ -30,7 +30,7 @@ __all__ = ["K_POST", "MANIFEST", "Q_POST", "SCHEMA_VERSION", "ConfigBlock", "Lay
 MANIFEST = "kvfold.json"
 # The version kvfold writes (history: kvfold/checkpoint/manifest.py). A runtime reads every minor version of
 # its major: minor versions only add fields with defaults that keep older exports' meaning.
-SCHEMA_VERSION = "1.6"
+SCHEMA_VERSION = "1.7"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"  # post-RoPE projections, parameters of each attention module
 

@@ -30,6 +30,7 @@ def run(*args):
     (["serve", "--export", "{tmp}", "--workload", "some"], "--workload must be one of all, limited, long, none"),
     (["serve", "--export", "{tmp}", "--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not one of vLLM"),
     (["serve", "--export", "{tmp}", "--dtype", "int8"], "--dtype must be one of"),
+    (["serve", "--export", "{tmp}", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
     (["serve", "--export", "{tmp}", "--png", "{tmp}/missing/serve.png"], "does not exist"),
     (["serve-point", "{tmp}/missing", "{tmp}", "{tmp}/point.json"], "does not exist"),
     (["openai", "--export", "{tmp}"], "is not a kvfold export"),
@@ -116,6 +117,21 @@ def test_layout_capacities_follow_vllms_page_formula():
     assert got["packed"]["kv_token_capacity"] == 10_000 // (4 * 27 * 4) * 4 == 92  # blocks × block size
     assert got["pad_to_layer_max"]["kv_token_capacity"] == 10_000 // (4 * 34 * 4) * 4 == 72
     assert got["buckets"]["attention_calls_per_step"] == 4 and got["packed"]["attention_calls_per_step"] == 2
+
+
+def test_tensor_parallel_capacity_against_an_even_split():
+    from types import SimpleNamespace
+
+    from kvfold.bench.serve import tensor_parallel_figures
+    from kvfold_runtime import ConfigBlock
+
+    block = ConfigBlock([[8, 8], [8, 4]], [[8, 8], [4, 4]], True)  # float32: (32 + 20) · 4 = 208 bytes a token
+    m = SimpleNamespace(config_block=lambda: block, tensor_parallel=1)
+    even = {"kv_blocks": 10, "block_size": 4}  # 40 tokens in 4,160 bytes a rank: the even split's 104 a token
+    got = tensor_parallel_figures(even, m, budget=4_160, dtype="float32", size=2)
+    assert got["rank_ideal_kv_token_capacity"] == 40 and got["capacity_vs_ideal"] == 1 and got["within_3_percent"]
+    padded = tensor_parallel_figures({"kv_blocks": 9, "block_size": 4}, m, budget=4_160, dtype="float32", size=2)
+    assert padded["capacity_vs_ideal"] == 0.9 and not padded["within_3_percent"]
 
 
 # A run's report, trimmed to three configurations (SmolLM2-135M, 64 MiB, float32, 8 × (256 + 256), 1 × (1024 + 128))

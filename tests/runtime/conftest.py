@@ -17,7 +17,7 @@ from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankPlan, RankRule
 from kvfold.rewrite.bake import bake
 from kvfold.sources.models import weights_sha256
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, tiny_tokenizer
 from tests.rewrite.test_bake import _factors
 
 
@@ -34,6 +34,22 @@ def uneven_ranks(model) -> tuple[list[list[int]], list[list[int]]]:
     d_k = [[d - 4 * ((i + g) % 3) for g in range(layout.num_kv_heads)] for i in range(layout.num_layers)]
     d_v = [[d - 4 * ((i + 2 * g + 1) % 3) - 1 for g in range(layout.num_kv_heads)] for i in range(layout.num_layers)]
     return d_k, d_v
+
+
+def balanced_ranks(model) -> tuple[list[list[int]], list[list[int]]]:
+    """Uneven widths per head that sum the same on each pair of consecutive KV heads (two tensor-parallel ranks
+    of a 4-KV-head model hold equal widths), d_k ≠ d_v."""
+    d = HeadLayout.from_config(model.config).head_dim
+    d_k = [[d, d - 8, d - 4, d - 4], [d - 4, d - 4, d - 8, d]]
+    d_v = [[d - 1, d - 9, d - 5, d - 5], [d - 9, d - 1, d - 5, d - 5]]
+    return d_k, d_v
+
+
+RANKS = {"full": full_ranks, "uneven": uneven_ranks, "balanced": balanced_ranks}
+
+# 8 query heads over 4 KV heads (head_dim 16): splits over 1, 2 and 4 tensor-parallel ranks
+WIDE = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}
+WIDE_ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]  # Qwen2: q/k/v biases
 
 
 @dataclass
@@ -53,11 +69,11 @@ def band_bits(widths: list[list[int]], low: bool) -> list[list[list[int]]]:
 
 
 def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method: str = "aware",
-                 bits: str | None = None, band_scale: str = "log8") -> TinyExport:
-    """Bake the tiny `arch` model (saved at `source`) at full or uneven ranks into `out`; with `bits`
-    ("16" or "low", band_bits) in the bits format, its bands' scales stored as `band_scale`."""
-    model = build_tiny(arch)
-    d_k, d_v = (full_ranks if ranks == "full" else uneven_ranks)(model)
+                 bits: str | None = None, band_scale: str = "log8", overrides: dict | None = None) -> TinyExport:
+    """Bake the tiny `arch` model (saved at `source`, built with config `overrides`) at `ranks` (RANKS) into
+    `out`; with `bits` ("16" or "low", band_bits) in the bits format, its bands' scales stored as `band_scale`."""
+    model = build_tiny(arch, **(overrides or {}))
+    d_k, d_v = RANKS[ranks](model)
     layout = HeadLayout.from_config(model.config)
     d = layout.head_dim
     rank_plan = RankPlan(d_k, d_v, d)
@@ -98,3 +114,19 @@ def tiny_bits_exports(tiny_dirs, tmp_path_factory) -> dict[str, TinyExport]:
     (band_bits "low"), built once per test run."""
     root = tmp_path_factory.mktemp("bits-exports")
     return {arch: write_export(arch, tiny_dirs[arch], root / arch, "uneven", bits="low") for arch in tiny_dirs}
+
+
+@pytest.fixture(scope="session")
+def wide_exports(tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
+    """(architecture, "uneven" | "balanced") -> a tiny export of WIDE's shape (4 KV heads), built once per run."""
+    root = tmp_path_factory.mktemp("wide")
+    out = {}
+    for arch in WIDE_ARCHS:
+        source = root / f"source-{arch}"
+        model = build_tiny(arch, **WIDE)
+        model.config.architectures = [arch]
+        model.save_pretrained(source)
+        tiny_tokenizer().save_pretrained(source)
+        for ranks in ("uneven", "balanced"):
+            out[arch, ranks] = write_export(arch, source, root / f"{arch}-{ranks}", ranks, overrides=WIDE)
+    return out

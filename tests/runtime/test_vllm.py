@@ -249,6 +249,21 @@ def test_smollm2_in_vllm(smollm2_exports):
 
 
 @pytest.mark.slow
+def test_smollm2_pipeline_parallel(smollm2_exports):
+    """PP = 2 (vLLM's multiprocessing executor, one core per stage): the rank and bits exports give the greedy
+    tokens they give on one worker, 8 wiki:eval prompts × 32 tokens, float32. Both compiled: vLLM 0.32's CPU
+    worker skips the warm-up that allocates the later stages' buffers when eager with kv_cache_memory_bytes."""
+    e = smollm2_exports
+    prompts = _wiki_prompts(e["orig"])
+    for name in ("p10", "bits"):
+        one, two = (run_engine(e[name], prompts, kv_cache_bytes=64 << 20, max_model_len=512, eager=False,
+                               pipeline_parallel=pp) for pp in (1, 2))
+        assert "error" not in one and "error" not in two, (name, one.get("error"), two.get("error"))
+        assert two["tokens"] == one["tokens"], [first_divergence(a, b) for a, b in zip(two["tokens"], one["tokens"],
+                                                                                       strict=True)]
+
+
+@pytest.mark.slow
 def test_openai_server_answers_completions_and_chat(smollm2_exports):
     """vLLM's OpenAI-compatible server on 127.0.0.1 at a free port, bounded waits, stopped with its whole
     process group: nothing left running."""

@@ -13,21 +13,30 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvfold.bench.serve_point import cpu_threads_bind
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int = 32, kv_cache_bytes: int = 8 << 20,
                block_size: int | None = None, max_model_len: int = 256, plugins: str | None = None,
-               kv_cache_dtype: str = "auto", timeout: int = 600) -> dict:
+               kv_cache_dtype: str = "auto", timeout: int = 600, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+               eager: bool = True, env: dict | None = None) -> dict:
     """Greedy generation from vLLM, exactly `max_tokens` per prompt (EOS does not stop it; the tiny models'
     tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size"},
-    {"error": last lines, "output": everything printed} when the engine failed to start or run."""
+    {"error": last lines, "output": everything printed} when the engine failed to start or run. With several
+    workers (tensor/pipeline parallel, vLLM's multiprocessing executor) each gets its own share of this process's
+    cores (VLLM_CPU_OMP_THREADS_BIND: the CPU build's automatic binding wants a NUMA node per worker). `eager`:
+    vLLM's enforce_eager (False: compiled, as vLLM serves by default)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
                 "block_size": block_size, "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype,
+                "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel, "eager": eager,
                 "out": str(out)}
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        if tensor_parallel * pipeline_parallel > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tensor_parallel * pipeline_parallel)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins  # vLLM loads only the general plugins named here
         done = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_engine", json.dumps(args)], cwd=REPO,
@@ -42,7 +51,10 @@ def _main(args: dict) -> None:
     from vllm import LLM, SamplingParams
 
     extra = {"block_size": args["block_size"]} if args["block_size"] else {}
-    llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=args["max_model_len"],
+    if args["tensor_parallel"] * args["pipeline_parallel"] > 1:
+        extra |= {"tensor_parallel_size": args["tensor_parallel"], "pipeline_parallel_size": args["pipeline_parallel"],
+                  "distributed_executor_backend": "mp"}
+    llm = LLM(model=args["model"], dtype="float32", enforce_eager=args["eager"], max_model_len=args["max_model_len"],
               kv_cache_memory_bytes=args["kv_cache_bytes"], kv_cache_dtype=args["kv_cache_dtype"], seed=0, **extra)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
                         SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True), use_tqdm=False)

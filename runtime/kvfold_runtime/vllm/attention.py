@@ -7,6 +7,12 @@ and B (`kvfold_k_post`, [d, Σ_g d_k]) are held block-diagonally ([H·d, Σ_h d_
 [H_kv·d, Σ_g d_k]) so each is one matmul on vLLM's flat [T, H·d] query and [T, H_kv·d] key; the
 checkpoint's compact tensors are scattered into the blocks by their weight loaders.
 
+Tensor parallelism splits the layer by KV head (kvfold_runtime.sharding): each rank builds the attention of
+its own heads — H/size query heads, H_kv/size KV heads, its share of v_proj's rows and o_proj's columns, its
+heads' blocks of the post-RoPE projections — at the widest rank's widths (a lighter rank's last head padded
+with zero dims), because vLLM wants one KV cache spec per layer on every rank. Everything outside attention
+(embeddings, MLP, norms, lm_head; pipeline stages) is vLLM's Llama's own sharding.
+
 The layer's `Attention` declares one KV head of width Σd_k / Σd_v and `group` query heads of width Σd_k
 (see kvfold_runtime.vllm.backend): the packed vectors pass through vLLM's reshapes unchanged. It is vLLM's
 Attention except for the KV cache spec of a bits-format layer (KVFoldAttentionLayer): a page of uint8 rows of
@@ -19,7 +25,7 @@ import dataclasses
 
 import torch
 from torch import nn
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -28,27 +34,66 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import KVQuantMode
 
 from kvfold_runtime.format import K_POST, Q_POST, LayerDims, head_dim, model_dims
+from kvfold_runtime.sharding import LayerShard, shard_layer
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
 from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["KVFoldAttentionLayer", "KVFoldVllmAttention"]
 
 
-def _block_diagonal_loader(head_dim: int, widths: list[int]):
-    """Weight loader: the checkpoint's [d, Σ widths] -> block i of [len(widths)·d, Σ widths]."""
+def _post_rope_loader(head_dim: int, width: int, take):
+    """Weight loader of a post-RoPE projection: the checkpoint's [d, Σ widths] -> this rank's block-diagonal
+    tensor (`take`, a LayerShard method)."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if tuple(loaded.shape) != (head_dim, sum(widths)):
-            raise refuse(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected "
-                         f"{(head_dim, sum(widths))} from config.json's ranks: the export is corrupt; "
-                         "run `kvfold verify` on it")
-        param.data.zero_()
-        col = 0
-        for i, w in enumerate(widths):
-            param.data[i * head_dim:(i + 1) * head_dim, col:col + w] = loaded[:, col:col + w]
-            col += w
+        if tuple(loaded.shape) != (head_dim, width):
+            raise refuse(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected {(head_dim, width)} from "
+                         "config.json's ranks: the export is corrupt; run `kvfold verify` on it")
+        param.data.copy_(take(loaded))
 
     return load
+
+
+class _PackedQKV(MergedColumnParallelLinear):
+    """x -> [q | k | v'] in one matmul. q and k (full heads) split over tensor-parallel ranks as vLLM splits its
+    own; v' (the values at per-head widths) takes this rank's heads (LayerShard.v_rows, padded to the widest
+    rank), so its third output is declared as size × the rank's (padded) value width."""
+
+    def __init__(self, hidden: int, q_full: int, k_full: int, shard: LayerShard, size: int, bias: bool,
+                 prefix: str) -> None:
+        super().__init__(hidden, [q_full, k_full, size * sum(shard.dims.d_v)], bias=bias, prefix=prefix)
+        self.kvfold_shard, self.kvfold_v_start = shard, (q_full + k_full) // size
+
+    def _load_v(self, param, loaded: torch.Tensor) -> None:
+        rows = self.kvfold_shard.v_rows(loaded)
+        param.data[self.kvfold_v_start:self.kvfold_v_start + rows.shape[0]].copy_(rows)
+
+    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):  # biases
+        if loaded_shard_id == 2:
+            return self._load_v(param, loaded_weight)
+        return super().weight_loader(param, loaded_weight, loaded_shard_id)
+
+    def weight_loader_v2(self, param, loaded_weight, loaded_shard_id=None):  # weights
+        if loaded_shard_id == 2:
+            return self._load_v(param, loaded_weight)
+        return super().weight_loader_v2(param, loaded_weight, loaded_shard_id)
+
+
+class _PackedOut(RowParallelLinear):
+    """o_proj over the packed attention output: this rank's query heads' columns (LayerShard.o_cols); vLLM adds
+    the ranks' partial products (and the bias once)."""
+
+    def __init__(self, shard: LayerShard, size: int, hidden: int, bias: bool, prefix: str) -> None:
+        super().__init__(size * shard.dims.out_width, hidden, bias=bias, prefix=prefix)
+        self.kvfold_shard = shard
+
+    def weight_loader_v2(self, param, loaded_weight):  # the weight
+        param.data.copy_(self.kvfold_shard.o_cols(loaded_weight))
+
+    def weight_loader(self, param, loaded_weight):  # the bias (whole on every rank), or the weight
+        if loaded_weight.dim() == 2:
+            return self.weight_loader_v2(param, loaded_weight)
+        return super().weight_loader(param, loaded_weight)
 
 
 class KVFoldAttentionLayer(Attention):
@@ -82,29 +127,31 @@ class KVFoldVllmAttention(nn.Module):
                  max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
                  bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type: str = "decoder") -> None:
         super().__init__()
-        if get_tensor_model_parallel_world_size() != 1:
-            raise refuse("kvfold exports are served with tensor_parallel_size=1 for now")
         if quant_config is not None:
             raise refuse("kvfold exports are unquantized checkpoints; drop --quantization")
         layer = extract_layer_index(prefix)
-        dims: LayerDims = model_dims(config)[layer]  # checked by the model class before any layer is built
-        self.dims = dims
+        # checked by the model class before any layer is built (sizes that do not split are refused there)
+        size, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        shard = shard_layer(model_dims(config)[layer], rank, size)
+        self.dims = dims = shard.dims  # this rank's KV heads, the last widened to the widest rank's widths
         self.head_dim = d = head_dim(config)
-        self.q_full, self.k_full = num_heads * d, num_kv_heads * d
+        self.q_full, self.k_full = num_heads * d // size, num_kv_heads * d // size  # this rank's
         qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
-        self.qkv_proj = MergedColumnParallelLinear(hidden_size, [self.q_full, self.k_full, sum(dims.d_v)],
-                                                   bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
+        self.qkv_proj = _PackedQKV(hidden_size, num_heads * d, num_kv_heads * d, shard, size, qkv_bias,
+                                   prefix=f"{prefix}.qkv_proj")
         o_bias = bias_o_proj if self.o_bias is None else self.o_bias
-        self.o_proj = RowParallelLinear(dims.out_width, hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
+        self.o_proj = _PackedOut(shard, size, hidden_size, o_bias, prefix=f"{prefix}.o_proj")
         if self.qk_norm:
             self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings,
                                    rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
-        q_widths = [w for w in dims.d_k for _ in range(dims.group)]  # query head h reads KV head h // group
-        for name, rows, widths in ((Q_POST, self.q_full, q_widths), (K_POST, self.k_full, list(dims.d_k))):
-            post = nn.Parameter(torch.zeros(rows, sum(widths)), requires_grad=False)
-            post.weight_loader = _block_diagonal_loader(d, widths)
+        # block-diagonal over this rank's heads: one matmul on vLLM's flat [T, heads · d] queries and keys
+        for name, shape, width, take in (
+                (Q_POST, (self.q_full, dims.q_width), shard.source.q_width, shard.q_post),
+                (K_POST, (self.k_full, sum(dims.d_k)), sum(shard.source.d_k), shard.k_post)):
+            post = nn.Parameter(torch.zeros(shape), requires_grad=False)
+            post.weight_loader = _post_rope_loader(d, width, take)
             self.register_parameter(name, post)
         sliding_window = None
         if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":

@@ -26,6 +26,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 from kvfold_runtime.export import check_export, tensor_shapes
 from kvfold_runtime.families import FAMILIES
 from kvfold_runtime.format import K_POST, Q_POST, ConfigBlock, LayerDims, head_dim, model_dims, runtime_class_name
+from kvfold_runtime.sharding import check_tensor_parallel
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
 
@@ -33,14 +34,15 @@ __all__ = ["SERVED"]
 
 
 def _check(vllm_config) -> None:
-    """Before any weight is read: the export's files (sha256 vs its manifest), its kvfold block, its tensors'
-    shapes, and the cache dtype a bits-format export is served with."""
+    """Before any weight is read: the export's files (sha256 vs its manifest), its kvfold block, whether it
+    splits over the tensor-parallel size, its tensors' shapes, and the cache dtype a bits-format export is
+    served with."""
     model_config = vllm_config.model_config
     folder = Path(model_config.model)
     try:
-        if folder.is_dir():
-            check_export(folder)
+        manifest = check_export(folder) if folder.is_dir() else {}
         dims = model_dims(model_config.hf_config)
+        check_tensor_parallel(dims, vllm_config.parallel_config.tensor_parallel_size, manifest.get("tensor_parallel"))
     except ValueError as e:
         raise refuse(str(e)) from None
     cache_dtype = vllm_config.cache_config.cache_dtype
