@@ -16,13 +16,13 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 from kvfold.bench.engine_log import root_cause
+from kvfold.bench.process import run_isolated
 from kvfold.bench.serve_point import (
     PROBE_MAX_PPL,
     PROBE_MIN_TOP1,
@@ -74,7 +74,7 @@ def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]]
         workers = args["tensor_parallel"] * args["pipeline_parallel"]
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)  # ignored by vLLM's GPU builds
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        done = run_isolated(cmd, env=env)
         if done.returncode != 0 or not out.exists():
             return {"error": _why(done.stdout + done.stderr)}
         return json.loads(out.read_text())

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from kvfold.bench.process import run_isolated
 from kvfold.bench.serve_point import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +39,8 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tensor_parallel * pipeline_parallel)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins  # vLLM loads only the general plugins named here
-        done = subprocess.run([sys.executable, "-m", "tests.runtime.vllm_engine", json.dumps(args)], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        done = run_isolated([sys.executable, "-m", "tests.runtime.vllm_engine", json.dumps(args)], cwd=REPO, env=env,
+                            timeout=timeout)
         output = done.stdout + done.stderr
         if done.returncode == 0 and out.exists():
             return {**json.loads(out.read_text()), "output": output}
