@@ -56,6 +56,13 @@ def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
 
 
 
+def test_keys_are_never_dropped_values_may_be():
+    # a θ so large that the water-filling would drop every dim of a head: keys keep the narrowest band
+    plan = plan_bits(_bases(), BitRule(10.0, 10.0, WIDTHS))
+    assert {b for layer in plan.k_bits for head in layer for b in head} == {min(w for w in WIDTHS if w)}
+    assert {b for layer in plan.v_bits for head in layer for b in head} == {0}
+
+
 def test_band_mixing_is_orthonormal_folds_exactly_and_shrinks_a_bands_absmax():
     from kvfold.plan.bits import band_mixer, bit_factors
     from kvfold.plan.ranks import factors_for
