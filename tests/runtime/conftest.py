@@ -118,7 +118,8 @@ def tiny_bits_exports(tiny_dirs, tmp_path_factory) -> dict[str, TinyExport]:
 
 @pytest.fixture(scope="session")
 def wide_exports(tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
-    """(architecture, "uneven" | "balanced") -> a tiny export of WIDE's shape (4 KV heads), built once per run."""
+    """(architecture, "uneven" | "balanced" | "bits") -> a tiny export of WIDE's shape (4 KV heads), built once per
+    run."""
     root = tmp_path_factory.mktemp("wide")
     out = {}
     for arch in WIDE_ARCHS:
@@ -129,4 +130,6 @@ def wide_exports(tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
         tiny_tokenizer().save_pretrained(source)
         for ranks in ("uneven", "balanced"):
             out[arch, ranks] = write_export(arch, source, root / f"{arch}-{ranks}", ranks, overrides=WIDE)
+        # bits format, every head at full width in 8-, 4- and 2-bit bands: equal bytes on every rank
+        out[arch, "bits"] = write_export(arch, source, root / f"{arch}-bits", "full", bits="low", overrides=WIDE)
     return out

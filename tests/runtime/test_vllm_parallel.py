@@ -48,9 +48,10 @@ def test_tp2_and_pp2_give_tp1s_tokens(wide_exports):
     assert pp2["kv_blocks"] == min(BUDGET // s for s in stages)
 
 
-@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM"])  # a sliding window; q/k/v biases
-def test_tp2_gives_the_transformers_tokens(wide_exports, arch):
-    path = wide_exports[arch, "uneven"].path
+@pytest.mark.parametrize(("arch", "kind"), [("MistralForCausalLM", "uneven"), ("Qwen2ForCausalLM", "uneven"),
+                                           ("LlamaForCausalLM", "bits")])  # a sliding window; biases; band rows
+def test_tp2_gives_the_transformers_tokens(wide_exports, arch, kind):
+    path = wide_exports[arch, kind].path
     got = _tokens(run_engine(path, PROMPTS, kv_cache_bytes=BUDGET, tensor_parallel=2, env=PAD_OK))
     want = hf_greedy(path, PROMPTS, 32)
     assert got == want, [first_divergence(a, b) for a, b in zip(got, want, strict=True)]
