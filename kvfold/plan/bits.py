@@ -185,9 +185,10 @@ def _kept(widths: tuple[int, ...]) -> tuple[int, ...]:
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
     k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
+    key_widths = _kept(rule.widths)
     for i, b in enumerate(map(bits_basis, bases)):
         tk, tv = rule.thetas(i)
-        k_bits.append([dim_bits(s, tk, _kept(rule.widths), scale_bits) for s in b.qk_spectrum])
+        k_bits.append([dim_bits(s, tk, key_widths, scale_bits) for s in b.qk_spectrum])
         v_bits.append([dim_bits(s, tv, rule.widths, scale_bits) for s in b.v_spectrum])
     return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1], scale=rule.scale)
 

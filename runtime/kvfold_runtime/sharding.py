@@ -96,8 +96,9 @@ class LayerShard:
                         new_widths: list[int]) -> torch.Tensor:
         d = w.shape[0]
         out = w.new_zeros(len(new_widths) * d, sum(new_widths))
+        src = _segments(all_widths)
         for i, ((start, _), h) in enumerate(zip(_segments(new_widths), picked, strict=True)):
-            s, width = _segments(all_widths)[h]
+            s, width = src[h]
             out[i * d:(i + 1) * d, start:start + width] = w[:, s:s + width]
         return out
 
@@ -160,8 +161,8 @@ def check_tensor_parallel(layers: list[LayerDims], size: int, balanced_for: int 
     for i, d in enumerate(layers):
         if not d.banded:
             continue
-        shares = _shares(d, size)
-        if len(set(shares)) > 1 or len({_bits_row(d, r, size) for r in range(size)}) > 1:
+        shares = _shares(d, size)  # equal shares: shard_layer pads nothing, each rank's rows are its own heads'
+        if len(set(shares)) > 1 or len({sum(shard_layer(d, r, size).dims.row_bytes()) for r in range(size)}) > 1:
             raise ValueError(f"layer {i} of this bits-format export holds different widths or bytes on the {size} "
                              f"tensor-parallel ranks (Σd_k, Σd_v per rank: {shares}), and band rows cannot be padded: "
                              "serve it with tensor_parallel_size=1 (and --pipeline-parallel-size), or export the "
@@ -183,9 +184,3 @@ def _pad_limit() -> float:
         raise ValueError(f"{PAD_LIMIT_ENV}={raw!r} is not a number: set it to the padding you accept, a fraction of "
                          f"the cache (default {PAD_LIMIT})") from None
 
-
-def _bits_row(dims: LayerDims, rank: int, size: int) -> int:
-    """Bytes per token of rank `rank`'s band rows."""
-    heads = _split(dims.num_kv_heads, rank, size)
-    return sum(LayerDims(tuple(dims.d_k[g] for g in heads), tuple(dims.d_v[g] for g in heads), dims.group,
-                         tuple(dims.k_bands[g] for g in heads), tuple(dims.v_bands[g] for g in heads)).row_bytes())
