@@ -52,9 +52,11 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _why(output: str) -> str:
-    """The root cause, or that vLLM's worker died (a crash leaves only its engine's "cancelled" behind)."""
+    """The root cause, or that vLLM's worker died when it died silently (a crash leaves only its engine's
+    "cancelled" behind). A worker that raised first and then exited still names its exception: the exit code
+    it dies with after reporting the error (0 or None) races the engine's shutdown."""
     crash = re.search(r"Worker proc \S+ died unexpectedly \(exit code: (-?\d+)\)", output)
-    if crash is None or "kvfold: " in output:
+    if crash is None or "kvfold: " in output or "Worker failed with error" in output:
         return root_cause(output)
     code = int(crash.group(1))
     return f"vLLM's worker process died (exit code {code}{', a segmentation fault' if code == -11 else ''})"

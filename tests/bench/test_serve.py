@@ -88,6 +88,13 @@ def test_an_engine_failure_is_named_by_its_root_cause():
     refused = "(EngineCore pid=1) NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU.\n"
     assert _why(refused) == "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU."
     assert _why("kvfold: the bits format is not served here\n" + crash) == "the bits format is not served here"
+    # seen in CI: the worker raised, then died with exit code 0 before the engine's shutdown read None
+    raised = ("(Worker pid=2) ERROR [multiproc_executor.py:1063] NotImplementedError: FP8 KV cache requires head_size "
+              "divisible by 32 on CPU.\n(EngineCore pid=1) ERROR [core.py:1510] RuntimeError: Worker failed with error "
+              "'FP8 KV cache requires head_size divisible by 32 on CPU.', please check the stack trace above\n"
+              "(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit "
+              "code: 0), shutting down executor.\n")
+    assert _why(raised) == "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU."
 
 
 def test_capacity_bytes_per_token_and_ratios():
