@@ -127,8 +127,9 @@ def _encode_scale(ideal: torch.Tensor, scale: str) -> tuple[torch.Tensor, torch.
         s16 = ideal.to(torch.float16)
         s16 = torch.where(s16.float() < ideal, torch.nextafter(s16, torch.full_like(s16, torch.inf)), s16)
         return s16.contiguous().view(torch.uint8), s16.float()
-    c = (torch.ceil(torch.log2(ideal) * LOG8_STEPS) + LOG8_ZERO).clamp(0, 255)
-    c = torch.where(_decode_log8(c) < ideal, (c + 1).clamp(max=255), c)  # log2's round-off
+    # the smallest byte whose scale (the one table every reader uses) is ≥ ideal: by search, not by log2, whose
+    # round-off differs between eager and compiled code (torch_bits.encode_rows writes the same bytes)
+    c = torch.bucketize(ideal, log8_scales(str(ideal.device))).clamp(max=255)
     return c.to(torch.uint8), _decode_log8(c)
 
 

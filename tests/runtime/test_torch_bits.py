@@ -1,14 +1,16 @@
-"""The CPU path's table-driven band decoder (kernels/torch_bits.py) gives exactly decode_heads' values — on rows
-encode_heads wrote and on arbitrary bytes (a freed block's), for every band width and both scale formats — and
-the paged torch path's per-step plan is made once per step and reused by the step's other layers."""
+"""The CPU path's table-driven band decoder and encoder (kernels/torch_bits.py) give exactly decode_heads' values
+— on rows encode_heads wrote and on arbitrary bytes (a freed block's), for every band width and both scale
+formats — and encode_heads' bytes (every width, dims no band holds, rows of zeros, scales at both ends of the
+log8 range, compiled and eager); the paged torch path's per-step plan is made once per step and reused by the
+step's other layers."""
 
 import pytest
 import torch
 
 from kvfold_runtime import BandRows, write_paged
-from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.bands import bands_from_bits, decode_heads, encode_heads
 from kvfold_runtime.kernels import dispatch, torch_bits
-from kvfold_runtime.kernels.torch_bits import decode_rows
+from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from tests.runtime.test_triton_bits import LAYERS
 
 
@@ -35,6 +37,35 @@ def test_the_eager_decoder_gives_the_same_values(monkeypatch):
     monkeypatch.setitem(torch_bits._compiled, "failed", True)
     assert torch.equal(decode_rows(rows, dims.d_k, dims.k_bands, torch.float32),
                        decode_heads(rows, dims.d_k, dims.k_bands, torch.float32))
+
+
+def _rows_to_encode(width: int, g: torch.Generator) -> torch.Tensor:
+    """Rows spanning 2^±40 per dim, a row of zeros, one with a huge value, one below the smallest log8 scale."""
+    x = torch.randn(41, width, generator=g) * torch.logspace(-12, 12, width, base=2.0)
+    x[0], x[1, 0], x[2] = 0.0, 1e9, 1e-9
+    return x
+
+
+def _random_heads(widths: tuple[int, ...], g: torch.Generator) -> tuple:
+    """Per head, bits drawn from every width incl. 0 (dims past the last band, which no band holds)."""
+    choices = torch.tensor([16, 8, 6, 5, 4, 3, 2, 0])
+    return tuple(bands_from_bits(sorted(choices[torch.randint(0, 8, (w,), generator=g)].tolist(), reverse=True))
+                 for w in widths)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_encode_rows_writes_encode_heads_bytes(compiled, monkeypatch):
+    if not compiled:
+        monkeypatch.setitem(torch_bits._compiled, "failed", True)
+    g = torch.Generator().manual_seed(3)
+    cases = [(d.d_k, d.k_bands) for d in LAYERS.values()] + [(d.d_v, d.v_bands) for d in LAYERS.values()]
+    cases += [((13, 64, 7), _random_heads((13, 64, 7), g)) for _ in range(12)]
+    for widths, bands in cases:  # LAYERS' float16-scale sides take encode_heads itself: checked all the same
+        x = _rows_to_encode(sum(widths), g)
+        assert torch.equal(encode_rows(x, widths, bands), encode_heads(x, widths, bands))
+        lead = encode_rows(x[:6].view(2, 3, -1), widths, bands)
+        assert torch.equal(lead, encode_heads(x[:6], widths, bands).view(2, 3, -1))
+        assert torch.equal(encode_rows(x.bfloat16(), widths, bands), encode_heads(x.bfloat16(), widths, bands))
 
 
 def test_a_steps_plan_is_made_once_and_read_by_every_layer():

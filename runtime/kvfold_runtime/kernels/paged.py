@@ -32,9 +32,8 @@ from typing import Protocol
 
 import torch
 
-from kvfold_runtime.bands import encode_heads
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.torch_bits import decode_rows
+from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
@@ -86,8 +85,8 @@ class BandRows:
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         assert cache_dtype == torch.uint8, "a bits-format layer's cache holds bytes"
-        d = self.dims
-        return torch.cat([encode_heads(k, d.d_k, d.k_bands), encode_heads(v, d.d_v, d.v_bands)], -1)
+        d = self.dims  # encode_rows: encode_heads' bytes, table-driven
+        return torch.cat([encode_rows(k, d.d_k, d.k_bands), encode_rows(v, d.d_v, d.v_bands)], -1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         d, key_bytes = self.dims, self.dims.row_bytes()[0]  # decode_rows: decode_heads' values, table-driven
