@@ -4,22 +4,42 @@ formats — and encode_heads' bytes (every width, dims no band holds, rows of ze
 log8 range, compiled and eager); the paged torch path's per-step plan is made once per step and reused by the
 step's other layers."""
 
+import shutil
+
 import pytest
 import torch
 
 from kvfold_runtime import BandRows, write_paged
 from kvfold_runtime.bands import bands_from_bits, decode_heads, encode_heads
-from kvfold_runtime.kernels import dispatch, torch_bits
+from kvfold_runtime.kernels import cpu_bits, dispatch, torch_bits
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from tests.runtime.test_triton_bits import LAYERS
 
 
-@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.fixture(params=["c", "compiled", "eager"])
+def decoder(request, monkeypatch):
+    """Each of the CPU path's decoders: the C one (cpu_bits.c, where a C compiler runs), torch_bits' table-driven
+    ops compiled by inductor, and those ops eagerly (no compiler at all)."""
+    if request.param == "c":
+        if cpu_bits.library() is None:
+            assert shutil.which("cc") is None and shutil.which("gcc") is None, "a compiler is here: the build failed"
+            pytest.skip("no C compiler on this machine")
+    else:
+        monkeypatch.setattr(cpu_bits, "library", lambda: None)
+    if request.param == "eager":
+        monkeypatch.setitem(torch_bits._compiled, "failed", True)
+    return request.param
+
+
+def _decode_cases(g: torch.Generator) -> list:
+    cases = [(d.d_k, d.k_bands) for d in LAYERS.values()] + [(d.d_v, d.v_bands) for d in LAYERS.values()]
+    return cases + [((13, 64, 7), _random_heads((13, 64, 7), g)) for _ in range(6)]
+
+
 @pytest.mark.parametrize("lead", [(50,), (3, 17)])
-def test_decode_rows_equals_decode_heads(layer, lead):
-    dims = LAYERS[layer]
+def test_decode_rows_equals_decode_heads(decoder, lead):
     g = torch.Generator().manual_seed(len(lead))
-    for widths, bands in ((dims.d_k, dims.k_bands), (dims.d_v, dims.v_bands)):
+    for widths, bands in _decode_cases(g):
         rows = encode_heads(torch.randn(*lead, sum(widths), generator=g) * 3, widths, bands)
         assert torch.equal(decode_rows(rows, widths, bands, torch.float32),
                            decode_heads(rows, widths, bands, torch.float32))
@@ -28,15 +48,19 @@ def test_decode_rows_equals_decode_heads(layer, lead):
         junk = torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=g)  # NaN and inf halves included
         want = decode_heads(junk, widths, bands, torch.float32)
         assert torch.equal(decode_rows(junk, widths, bands, torch.float32).nan_to_num(7.0), want.nan_to_num(7.0))
+        wide = torch.cat([junk, rows], -1)[..., junk.shape[-1]:]  # a slice of wider rows, as [keys | values] is
+        assert torch.equal(decode_rows(wide, widths, bands, torch.float32), decode_heads(rows, widths, bands,
+                                                                                         torch.float32))
 
 
-def test_the_eager_decoder_gives_the_same_values(monkeypatch):
-    """Where inductor cannot compile (no C++ compiler), the eager ops run: same values."""
+def test_the_c_decoder_splits_many_rows_over_threads():
+    """Rows enough for every thread (torch's intra-op count) decode as one call would."""
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
     dims = LAYERS["uneven"]
-    rows = encode_heads(torch.randn(9, sum(dims.d_k)), dims.d_k, dims.k_bands)
-    monkeypatch.setitem(torch_bits._compiled, "failed", True)
-    assert torch.equal(decode_rows(rows, dims.d_k, dims.k_bands, torch.float32),
-                       decode_heads(rows, dims.d_k, dims.k_bands, torch.float32))
+    rows = encode_heads(torch.randn(3001, sum(dims.d_v)), dims.d_v, dims.v_bands)
+    assert torch.equal(decode_rows(rows, dims.d_v, dims.v_bands, torch.float32),
+                       decode_heads(rows, dims.d_v, dims.v_bands, torch.float32))
 
 
 def _rows_to_encode(width: int, g: torch.Generator) -> torch.Tensor:

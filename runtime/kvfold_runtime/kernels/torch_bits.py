@@ -11,6 +11,9 @@ Writing is the same table backwards: each band's absmax over a padded [bands, wi
 by bucketing into the 256 scales, each dim's code shifted into its window and added into its two bytes (codes of
 one band never share a bit, so adding is OR). encode_heads quantizes band by band in ~10 small ops each: 1.9 ms
 of a SmolLM2 layer's decode step on this CPU, more than the attention.
+
+On a CPU with a C compiler, decode_rows hands the rows to kernels/cpu_bits.c (a loop per band width), 3× faster
+than these ops compiled (SmolLM2 bits layer, 12,800 rows: 0.86 / 0.76 ms for keys / values against 2.7 / 2.6 ms).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfold_runtime.bands import Band, encode_heads, log8_scales, row_bytes
+from kvfold_runtime.kernels import cpu_bits
 from kvfold_runtime.kernels.bits_table import SCALE_KINDS, band_table, unpack
 
 __all__ = ["decode_rows", "encode_rows"]
@@ -101,7 +105,10 @@ def decode_rows(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[
                 dtype: torch.dtype) -> torch.Tensor:
     """rows [..., Σ_g row_bytes(bands[g])] uint8 (encode_heads) -> [..., Σ_g widths[g]] in `dtype`: the values
     decode_heads gives."""
-    p = _plan(tuple(widths), tuple(tuple(h) for h in bands), rows.shape[-1], str(rows.device))
+    widths, bands = tuple(widths), tuple(tuple(h) for h in bands)
+    if rows.device.type == "cpu" and cpu_bits.library() is not None:  # the C decoder (module docstring)
+        return cpu_bits.decode_rows_c(rows, widths, bands, log8_scales("cpu")).to(dtype)
+    p = _plan(widths, bands, rows.shape[-1], str(rows.device))
     values = _run(_decode, rows, p.lo, p.hi, p.shift, p.mask, p.offset, p.scale_lo, p.log8, p.f16, p.unused,
                   log8_scales(str(rows.device)), p.half_scale, cpu=rows.device.type == "cpu")
     return values.to(dtype)
