@@ -16,6 +16,8 @@ from kvfold_runtime import (
     write_paged,
 )
 from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.kernels import cpu_bits
+from kvfold_runtime.kernels import paged as paged_module
 from kvfold_runtime.kernels.dispatch import paged, paged_kernels_for
 
 WIDTHS = {
@@ -128,10 +130,17 @@ def _banded(d_k, d_v, group) -> LayerDims:
 
 @pytest.mark.parametrize("widths", list(WIDTHS.values()), ids=list(WIDTHS))
 @pytest.mark.parametrize("window", [None, 5])
-def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window):
+@pytest.mark.parametrize("reader", ["c", "torch"])
+def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window, reader, monkeypatch):
     """A bits-format layer's paged cache: uint8 rows of exactly LayerDims.row_bytes() = the export's bytes per
     token, each encode_heads(keys) ++ encode_heads(values); attention over it (decodes, a prefill, a chunked
-    prefill) = the reference on decode_heads of those rows."""
+    prefill) = the reference on decode_heads of those rows. Decodes read the codes in C (cpu_bits.c, where a
+    compiler runs) or decode the rows in torch (`reader`); rows not written hold NaN bytes either way."""
+    if reader == "torch":
+        monkeypatch.setattr(paged_module, "library", lambda: None)
+        monkeypatch.setattr(cpu_bits, "library", lambda: None)
+    elif cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
     d_k, d_v = widths
     group, bs = 2, 4
     dims = _banded(d_k, d_v, group)

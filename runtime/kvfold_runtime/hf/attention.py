@@ -18,10 +18,10 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
-from kvfold_runtime.bands import decode_heads, encode_heads
 from kvfold_runtime.families import Family
 from kvfold_runtime.format import K_POST, Q_POST, LayerDims
 from kvfold_runtime.kernels.dispatch import attention
+from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 
 __all__ = ["KVFoldAttention"]
 
@@ -100,11 +100,13 @@ class KVFoldAttention(nn.Module):
         if not self.dims.banded:
             return (k, v) if cache is None else cache.update(k, v, self.layer_idx)
         dk, dv = self.dims.d_k, self.dims.d_v
-        k_rows, v_rows = encode_heads(k, dk, self.dims.k_bands), encode_heads(v, dv, self.dims.v_bands)
+        # encode_rows / decode_rows: bands.encode_heads' bytes and decode_heads' values, table-driven (and in C on
+        # a CPU): a generated token's step reads every cached row back
+        k_rows, v_rows = encode_rows(k, dk, self.dims.k_bands), encode_rows(v, dv, self.dims.v_bands)
         if cache is not None:  # without a cache (use_cache=False) attention still reads the stored form
             k_rows, v_rows = cache.update(k_rows, v_rows, self.layer_idx)
-        return decode_heads(k_rows, dk, self.dims.k_bands, k.dtype), decode_heads(v_rows, dv, self.dims.v_bands,
-                                                                                    v.dtype)
+        return decode_rows(k_rows, dk, self.dims.k_bands, k.dtype), decode_rows(v_rows, dv, self.dims.v_bands,
+                                                                                  v.dtype)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:

@@ -11,7 +11,9 @@
  * A b-bit code is x = (q + 1/2 - 2^(b-1)) * s in float32, computed as torch does (an add, then a multiply:
  * built with -ffp-contract=off, so no fused multiply-add changes a rounding).
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float half_to_float(uint16_t h) {
@@ -56,35 +58,125 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
     }
 }
 
-void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride, const int32_t *segments,
-                        int32_t n_segments, const float *log8, float *out, int64_t out_width) {
-    for (int64_t r = 0; r < n_rows; r++) {
-        const uint8_t *row = rows + r * row_stride;
-        float *o = out + r * out_width;
-        for (int32_t j = 0; j < n_segments; j++) {
-            const int32_t *sg = segments + 6 * j;
-            int out_at = sg[0], n = sg[1], bits = sg[2], code_at = sg[3], scale_at = sg[4], kind = sg[5];
-            float *dst = o + out_at;
-            const uint8_t *src = row + code_at;
-            if (bits == 0) {
-                memset(dst, 0, sizeof(float) * (size_t)n);
-                continue;
-            }
-            if (bits == 16) {
-                for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
-                continue;
-            }
-            float s = kind == 1 ? log8[row[scale_at]]
-                                : half_to_float((uint16_t)(row[scale_at] | (row[scale_at + 1] << 8)));
-            switch (bits) { /* constant widths: each case compiles to its own unrolled loop */
-            case 2: band(src, n, dst, s, 2, 4, 1); break;
-            case 3: band(src, n, dst, s, 3, 8, 3); break;
-            case 4: band(src, n, dst, s, 4, 2, 1); break;
-            case 5: band(src, n, dst, s, 5, 8, 5); break;
-            case 6: band(src, n, dst, s, 6, 4, 3); break;
-            case 8: band(src, n, dst, s, 8, 1, 1); break;
-            default: memset(dst, 0, sizeof(float) * (size_t)n); /* not a width bands.py writes */
-            }
+/* One row's segments [first, last) into out (see the header for a segment's six numbers). */
+static inline void decode_segments(const uint8_t *row, const int32_t *segments, int32_t first, int32_t last,
+                                   const float *log8, float *out) {
+    for (int32_t j = first; j < last; j++) {
+        const int32_t *sg = segments + 6 * j;
+        int out_at = sg[0], n = sg[1], bits = sg[2], code_at = sg[3], scale_at = sg[4], kind = sg[5];
+        float *dst = out + out_at;
+        const uint8_t *src = row + code_at;
+        if (bits == 0) {
+            memset(dst, 0, sizeof(float) * (size_t)n);
+            continue;
+        }
+        if (bits == 16) {
+            for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
+            continue;
+        }
+        float s = kind == 1 ? log8[row[scale_at]] : half_to_float((uint16_t)(row[scale_at] | (row[scale_at + 1] << 8)));
+        switch (bits) { /* constant widths: each case compiles to its own unrolled loop */
+        case 2: band(src, n, dst, s, 2, 4, 1); break;
+        case 3: band(src, n, dst, s, 3, 8, 3); break;
+        case 4: band(src, n, dst, s, 4, 2, 1); break;
+        case 5: band(src, n, dst, s, 5, 8, 5); break;
+        case 6: band(src, n, dst, s, 6, 4, 3); break;
+        case 8: band(src, n, dst, s, 8, 1, 1); break;
+        default: memset(dst, 0, sizeof(float) * (size_t)n); /* not a width bands.py writes */
         }
     }
+}
+
+void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride, const int32_t *segments,
+                        int32_t n_segments, const float *log8, float *out, int64_t out_width) {
+    for (int64_t r = 0; r < n_rows; r++) decode_segments(rows + r * row_stride, segments, 0, n_segments, log8,
+                                                         out + r * out_width);
+}
+
+/* Sixteen partial sums, so that the compiler vectorises the loop without reordering any one sum. */
+static inline float dot_product(const float *a, const float *b, int32_t n) {
+    float part[16] = {0};
+    int32_t c = 0;
+    for (; c + 16 <= n; c += 16)
+        for (int l = 0; l < 16; l++) part[l] += a[c + l] * b[c + l];
+    for (; c < n; c++) part[0] += a[c] * b[c];
+    float sum = 0.0f;
+    for (int l = 0; l < 16; l++) sum += part[l];
+    return sum;
+}
+
+/* Decode attention read straight from the paged cache's codes: for work items [first, last) of (request n, KV
+ * head g) = n * G + g, the group's query heads attend over the request's S = B * block_size rows (block b of
+ * request n is blocks[block_ids[n, b]], a block holds block_size rows of row_bytes; valid [N, S]) without writing
+ * a decoded cache or gathering the blocks: a key is decoded into a buffer, scored against the group's queries,
+ * then the values are decoded and summed with the softmax weights (two passes: scores, then values).
+ * Segments per head: k_first[g] .. k_first[g + 1] of k_segments (out_at relative to the head's first dim,
+ * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
+ * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0.
+ * Returns 0, or -1 when out of memory. */
+int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
+                            const uint8_t *valid, int64_t row_bytes,
+                            const float *q, float *out, int32_t n_kv, int32_t group, const int32_t *d_k,
+                            const int32_t *d_v, const int32_t *k_segments, const int32_t *k_first,
+                            const int32_t *v_segments, const int32_t *v_first, const float *log8, float scaling,
+                            int64_t first, int64_t last) {
+    int32_t q_width = 0, o_width = 0, widest = 1;
+    for (int32_t g = 0; g < n_kv; g++) {
+        q_width += group * d_k[g];
+        o_width += group * d_v[g];
+        widest = d_k[g] > widest ? d_k[g] : widest;
+        widest = d_v[g] > widest ? d_v[g] : widest;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)widest);
+    const int64_t n_seq = n_blocks * block_size;
+    float *scores = malloc(sizeof(float) * (size_t)(n_seq * group));
+    if (!buf || !scores) {
+        free(buf);
+        free(scores);
+        return -1;
+    }
+    for (int64_t item = first; item < last; item++) {
+        int64_t n = item / n_kv;
+        int32_t g = (int32_t)(item % n_kv), q_at = 0, o_at = 0;
+        for (int32_t h = 0; h < g; h++) {
+            q_at += group * d_k[h];
+            o_at += group * d_v[h];
+        }
+        const float *qg = q + n * q_width + q_at;
+        float *og = out + n * o_width + o_at;
+        const int64_t *ids = block_ids + n * n_blocks;
+        const uint8_t *vq = valid + n * n_seq;
+#define ROW(s) (blocks + (ids[(s) / block_size] * block_size + (s) % block_size) * row_bytes)
+        float top[64], total[64]; /* per query head of the group (group <= 64, checked by the caller) */
+        for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
+        for (int64_t s = 0; s < n_seq; s++) {
+            if (!vq[s]) continue;
+            decode_segments(ROW(s), k_segments, k_first[g], k_first[g + 1], log8, buf);
+            for (int32_t j = 0; j < group; j++) {
+                float dot = dot_product(qg + j * d_k[g], buf, d_k[g]) * scaling;
+                scores[s * group + j] = dot;
+                top[j] = dot > top[j] ? dot : top[j];
+            }
+        }
+        for (int32_t j = 0; j < group * d_v[g]; j++) og[j] = 0.0f;
+        for (int64_t s = 0; s < n_seq; s++) {
+            if (!vq[s]) continue;
+            decode_segments(ROW(s), v_segments, v_first[g], v_first[g + 1], log8, buf);
+            for (int32_t j = 0; j < group; j++) {
+                float w = expf(scores[s * group + j] - top[j]);
+                total[j] += w;
+                float *oj = og + j * d_v[g];
+                for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * buf[c];
+            }
+        }
+        for (int32_t j = 0; j < group; j++) {
+            float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
+            float *oj = og + j * d_v[g];
+            for (int32_t c = 0; c < d_v[g]; c++) oj[c] *= inv;
+        }
+    }
+#undef ROW
+    free(buf);
+    free(scores);
+    return 0;
 }

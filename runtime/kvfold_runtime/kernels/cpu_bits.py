@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kvfold_runtime.bands import Band
+from kvfold_runtime.bands import Band, log8_scales
+from kvfold_runtime.format import LayerDims
 
-__all__ = ["decode_rows_c", "library"]
+__all__ = ["decode_attention_c", "decode_rows_c", "library"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -73,29 +74,55 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         _log.warning("kvfold: building the C decoder of bits caches failed (%s); decoding in torch (slower)", e)
         return None
+    lib.kvfold_decode_attention.restype = ctypes.c_int
+    lib.kvfold_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int32, ctypes.c_int32]
+    lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
+def _head(width: int, head: tuple[Band, ...], at: int) -> tuple[list[tuple[int, ...]], int]:
+    """One head's segments for cpu_bits.c — per band (out_at, n, bits, code_at, scale_at, scale_kind), zero
+    segments for the dims no band holds; out_at from the head's first dim, bytes from `at` (the head's first
+    byte) — and the byte after the head's row."""
+    out, code_at, scale_at, filled = [], at, at + sum(b.code_bytes for b in head), 0
+    for b in head:
+        if b.start > filled:
+            out.append((filled, b.start - filled, 0, 0, 0, 0))
+        kind = {"log8": 1, "float16": 2}[b.scale] if b.scaled else 0
+        out.append((b.start, b.size, b.bits, code_at, scale_at if b.scaled else 0, kind))
+        code_at, scale_at, filled = code_at + b.code_bytes, scale_at + b.scale_bytes, b.start + b.size
+    if width > filled:
+        out.append((filled, width - filled, 0, 0, 0, 0))
+    return out, scale_at
+
+
 @functools.lru_cache(maxsize=256)
 def _segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
-    """The row's description for cpu_bits.c: per band (out_at, n, bits, code_at, scale_at, scale_kind), and
-    zero segments for the dims no band holds."""
-    rows, at, out_at = [], 0, 0  # at: the head's first byte; out_at: its first output number
+    """The whole row's segments [M, 6], out_at from the row's first dim (decode_rows_c)."""
+    rows, at, first_dim = [], 0, 0
     for width, head in zip(widths, bands, strict=True):
-        code_at, scale_at, filled = at, at + sum(b.code_bytes for b in head), 0
-        for b in head:
-            if b.start > filled:
-                rows.append((out_at + filled, b.start - filled, 0, 0, 0, 0))
-            kind = {"log8": 1, "float16": 2}[b.scale] if b.scaled else 0
-            rows.append((out_at + b.start, b.size, b.bits, code_at, scale_at if b.scaled else 0, kind))
-            code_at, scale_at, filled = code_at + b.code_bytes, scale_at + b.scale_bytes, b.start + b.size
-        if width > filled:
-            rows.append((out_at + filled, width - filled, 0, 0, 0, 0))
-        at, out_at = scale_at, out_at + width
+        mine, at = _head(width, head, at)
+        rows += [(o + first_dim, *rest) for o, *rest in mine]
+        first_dim += width
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6)
+
+
+@functools.lru_cache(maxsize=256)
+def _head_segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
+                   at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head its own segments (out_at from the head's first dim; this side's bytes begin at byte `at` of the
+    row) and where each head's segments start: (segments [M, 6], first [G + 1]) for decode_attention_c."""
+    rows, first = [], [0]
+    for width, head in zip(widths, bands, strict=True):
+        mine, at = _head(width, head, at)
+        rows += mine
+        first.append(len(rows))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6), torch.tensor(first, dtype=torch.int32)
 
 
 @functools.cache
@@ -126,3 +153,40 @@ def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tupl
         step = -(-n // threads)
         list(_pool(threads).map(lambda i: run(i, min(step, n - i)), range(0, n, step)))
     return out.view(*rows.shape[:-1], width)
+
+
+def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor,
+                       dims: LayerDims, *, scaling: float) -> torch.Tensor:
+    """Decode attention read from a bits layer's paged codes, no decoded copy of the cache and no gather of its
+    blocks: q [N, Σ_h d_k(g(h))], blocks [num_blocks, block_size, row bytes] uint8 (each row the keys' then the
+    values' bytes), block_ids [N, B] the blocks each request reads, valid [N, B·block_size] the rows it sees
+    -> [N, Σ_h d_v(g(h))] float32: attention over decode_heads' values up to float32 round-off
+    (torch_decode.packed_decode's contract). library() must not be None; group ≤ 64."""
+    lib = library()
+    n, b = block_ids.shape
+    key_bytes = dims.row_bytes()[0]
+    k_seg, k_first = _head_segments(tuple(dims.d_k), tuple(dims.k_bands), 0)
+    v_seg, v_first = _head_segments(tuple(dims.d_v), tuple(dims.v_bands), key_bytes)
+    d_k, d_v = torch.tensor(dims.d_k, dtype=torch.int32), torch.tensor(dims.d_v, dtype=torch.int32)
+    assert blocks.is_contiguous() and blocks.dtype == torch.uint8
+    ids, q = block_ids.long().contiguous(), q.float().contiguous()
+    valid = valid.contiguous().view(torch.uint8)
+    out = q.new_empty(n, dims.group * sum(dims.d_v))
+    items, kv_heads, scales = n * len(dims.d_k), len(dims.d_k), log8_scales("cpu")
+
+    def run(first: int, last: int) -> None:
+        failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
+                                             blocks.shape[2], q.data_ptr(), out.data_ptr(), kv_heads, dims.group,
+                                             d_k.data_ptr(), d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
+                                             v_seg.data_ptr(), v_first.data_ptr(), scales.data_ptr(), scaling, first,
+                                             last)
+        if failed:
+            raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
+
+    threads = min(torch.get_num_threads(), items)
+    if threads <= 1 or n * b * blocks.shape[1] < _MIN_ROWS_PER_THREAD:
+        run(0, items)
+    else:
+        step = -(-items // threads)
+        list(_pool(threads).map(lambda i: run(i, min(i + step, items)), range(0, items, step)))
+    return out

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from kvfold_runtime.format import LayerDims
+from kvfold_runtime.kernels.cpu_bits import decode_attention_c, library
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
@@ -165,6 +166,12 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc
     return StepPlan(rows, blocks, valid, (~valid).view(-1).nonzero()[:, 0], prefills)
 
 
+def _reads_codes(codec: RowCodec, query: torch.Tensor, blocks: torch.Tensor) -> bool:
+    """Whether decode attention runs in C over a bits layer's codes (cpu_bits.decode_attention_c)."""
+    return (isinstance(codec, BandRows) and query.device.type == "cpu" and codec.dims.group <= 64
+            and blocks.is_contiguous() and library() is not None)
+
+
 def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
                     sliding_window: int | None = None, out: torch.Tensor | None = None,
@@ -182,11 +189,15 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Te
         out = query.new_empty(query.shape[0], group * sum(d_v))
     if plan.decode_rows is not None:
         n, count = plan.decode_blocks.shape
-        rows = blocks.index_select(0, plan.decode_blocks.view(-1)).view(n, count * blocks.shape[1], -1)
-        rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN would be NaN
-        k, v = codec.decode(rows, query.dtype)
-        out[plan.decode_rows] = packed_decode(query[plan.decode_rows], k, v, plan.decode_valid, d_k, d_v, group,
-                                              scaling=scaling)
+        if _reads_codes(codec, query, blocks):  # C: scores and sums straight from the blocks' codes, in place
+            out[plan.decode_rows] = decode_attention_c(query[plan.decode_rows], blocks, plan.decode_blocks,
+                                                       plan.decode_valid, codec.dims, scaling=scaling).to(out.dtype)
+        else:
+            rows = blocks.index_select(0, plan.decode_blocks.view(-1)).view(n, count * blocks.shape[1], -1)
+            rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN is NaN
+            k, v = codec.decode(rows, query.dtype)
+            out[plan.decode_rows] = packed_decode(query[plan.decode_rows], k, v, plan.decode_valid, d_k, d_v, group,
+                                                  scaling=scaling)
     for i, first, t, s in plan.prefills:
         begin = 0 if sliding_window is None else max(0, s - t - sliding_window + 1)
         rows = _gather(blocks, block_table[i], begin, s)  # [S', C]
