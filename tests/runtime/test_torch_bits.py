@@ -5,6 +5,7 @@ log8 range, compiled and eager); the paged torch path's per-step plan is made on
 step's other layers."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,13 +55,16 @@ def test_decode_rows_equals_decode_heads(decoder, lead):
 
 
 def test_the_c_decoder_splits_many_rows_over_threads():
-    """Rows enough for every thread (torch's intra-op count) decode as one call would."""
+    """Rows enough for the OpenMP loop (torch's threads) decode as one thread would; the library uses torch's
+    OpenMP runtime (torch's libgomp.so.1), not the system's, which would start a second thread pool."""
     if cpu_bits.library() is None:
         pytest.skip("no C compiler on this machine")
     dims = LAYERS["uneven"]
     rows = encode_heads(torch.randn(3001, sum(dims.d_v)), dims.d_v, dims.v_bands)
     assert torch.equal(decode_rows(rows, dims.d_v, dims.v_bands, torch.float32),
                        decode_heads(rows, dims.d_v, dims.v_bands, torch.float32))
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert not [path for path in gomp if path.startswith(("/usr/", "/lib"))], gomp  # the system's: a second pool
 
 
 def _rows_to_encode(width: int, g: torch.Generator) -> torch.Tensor:

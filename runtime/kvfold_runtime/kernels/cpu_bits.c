@@ -89,6 +89,7 @@ static inline void decode_segments(const uint8_t *row, const int32_t *segments, 
 
 void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride, const int32_t *segments,
                         int32_t n_segments, const float *log8, float *out, int64_t out_width) {
+#pragma omp parallel for schedule(static) if (n_rows >= 512)
     for (int64_t r = 0; r < n_rows; r++) decode_segments(rows + r * row_stride, segments, 0, n_segments, log8,
                                                          out + r * out_width);
 }
@@ -112,71 +113,81 @@ static inline float dot_product(const float *a, const float *b, int32_t n) {
  * then the values are decoded and summed with the softmax weights (two passes: scores, then values).
  * Segments per head: k_first[g] .. k_first[g + 1] of k_segments (out_at relative to the head's first dim,
  * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
- * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0.
- * Returns 0, or -1 when out of memory. */
-int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
-                            const uint8_t *valid, int64_t row_bytes,
-                            const float *q, float *out, int32_t n_kv, int32_t group, const int32_t *d_k,
-                            const int32_t *d_v, const int32_t *k_segments, const int32_t *k_first,
-                            const int32_t *v_segments, const int32_t *v_first, const float *log8, float scaling,
-                            int64_t first, int64_t last) {
-    int32_t q_width = 0, o_width = 0, widest = 1;
-    for (int32_t g = 0; g < n_kv; g++) {
-        q_width += group * d_k[g];
-        o_width += group * d_v[g];
-        widest = d_k[g] > widest ? d_k[g] : widest;
-        widest = d_v[g] > widest ? d_v[g] : widest;
+ * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0. */
+static void attend(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
+                  const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int32_t n_kv, int32_t group,
+                  const int32_t *d_k, const int32_t *d_v, const int32_t *k_segments, const int32_t *k_first,
+                  const int32_t *v_segments, const int32_t *v_first, const float *log8, float scaling, int64_t item,
+                  float *buf, float *scores) {
+    int64_t n = item / n_kv, n_seq = n_blocks * block_size;
+    int32_t g = (int32_t)(item % n_kv), q_at = 0, o_at = 0, q_width = 0, o_width = 0;
+    for (int32_t h = 0; h < n_kv; h++) {
+        q_at += h < g ? group * d_k[h] : 0;
+        o_at += h < g ? group * d_v[h] : 0;
+        q_width += group * d_k[h];
+        o_width += group * d_v[h];
     }
-    float *buf = malloc(sizeof(float) * (size_t)widest);
-    const int64_t n_seq = n_blocks * block_size;
-    float *scores = malloc(sizeof(float) * (size_t)(n_seq * group));
-    if (!buf || !scores) {
-        free(buf);
-        free(scores);
-        return -1;
-    }
-    for (int64_t item = first; item < last; item++) {
-        int64_t n = item / n_kv;
-        int32_t g = (int32_t)(item % n_kv), q_at = 0, o_at = 0;
-        for (int32_t h = 0; h < g; h++) {
-            q_at += group * d_k[h];
-            o_at += group * d_v[h];
-        }
-        const float *qg = q + n * q_width + q_at;
-        float *og = out + n * o_width + o_at;
-        const int64_t *ids = block_ids + n * n_blocks;
-        const uint8_t *vq = valid + n * n_seq;
+    const float *qg = q + n * q_width + q_at;
+    float *og = out + n * o_width + o_at;
+    const int64_t *ids = block_ids + n * n_blocks;
+    const uint8_t *vq = valid + n * n_seq;
 #define ROW(s) (blocks + (ids[(s) / block_size] * block_size + (s) % block_size) * row_bytes)
-        float top[64], total[64]; /* per query head of the group (group <= 64, checked by the caller) */
-        for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
-        for (int64_t s = 0; s < n_seq; s++) {
-            if (!vq[s]) continue;
-            decode_segments(ROW(s), k_segments, k_first[g], k_first[g + 1], log8, buf);
-            for (int32_t j = 0; j < group; j++) {
-                float dot = dot_product(qg + j * d_k[g], buf, d_k[g]) * scaling;
-                scores[s * group + j] = dot;
-                top[j] = dot > top[j] ? dot : top[j];
-            }
-        }
-        for (int32_t j = 0; j < group * d_v[g]; j++) og[j] = 0.0f;
-        for (int64_t s = 0; s < n_seq; s++) {
-            if (!vq[s]) continue;
-            decode_segments(ROW(s), v_segments, v_first[g], v_first[g + 1], log8, buf);
-            for (int32_t j = 0; j < group; j++) {
-                float w = expf(scores[s * group + j] - top[j]);
-                total[j] += w;
-                float *oj = og + j * d_v[g];
-                for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * buf[c];
-            }
-        }
+    float top[64], total[64]; /* per query head of the group (group <= 64, checked by the caller) */
+    for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
+    for (int64_t s = 0; s < n_seq; s++) {
+        if (!vq[s]) continue;
+        decode_segments(ROW(s), k_segments, k_first[g], k_first[g + 1], log8, buf);
         for (int32_t j = 0; j < group; j++) {
-            float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
+            float dot = dot_product(qg + j * d_k[g], buf, d_k[g]) * scaling;
+            scores[s * group + j] = dot;
+            top[j] = dot > top[j] ? dot : top[j];
+        }
+    }
+    for (int32_t j = 0; j < group * d_v[g]; j++) og[j] = 0.0f;
+    for (int64_t s = 0; s < n_seq; s++) {
+        if (!vq[s]) continue;
+        decode_segments(ROW(s), v_segments, v_first[g], v_first[g + 1], log8, buf);
+        for (int32_t j = 0; j < group; j++) {
+            float w = expf(scores[s * group + j] - top[j]);
+            total[j] += w;
             float *oj = og + j * d_v[g];
-            for (int32_t c = 0; c < d_v[g]; c++) oj[c] *= inv;
+            for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * buf[c];
         }
     }
 #undef ROW
-    free(buf);
-    free(scores);
-    return 0;
+    for (int32_t j = 0; j < group; j++) {
+        float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
+        float *oj = og + j * d_v[g];
+        for (int32_t c = 0; c < d_v[g]; c++) oj[c] *= inv;
+    }
+}
+
+/* Every (request, KV head) item, over the OpenMP threads. Returns 0, or -1 when out of memory. */
+int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
+                            const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int32_t n_kv,
+                            int32_t group, const int32_t *d_k, const int32_t *d_v, const int32_t *k_segments,
+                            const int32_t *k_first, const int32_t *v_segments, const int32_t *v_first,
+                            const float *log8, float scaling, int64_t n_items) {
+    int32_t widest = 1, failed = 0;
+    for (int32_t g = 0; g < n_kv; g++) {
+        widest = d_k[g] > widest ? d_k[g] : widest;
+        widest = d_v[g] > widest ? d_v[g] : widest;
+    }
+    /* torch's own OpenMP threads (the same libgomp.so.1 is loaded once per process), one buffer set each */
+#pragma omp parallel reduction(| : failed)
+    {
+        float *buf = malloc(sizeof(float) * (size_t)widest);
+        float *scores = malloc(sizeof(float) * (size_t)(n_blocks * block_size * group));
+        if (!buf || !scores) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < n_items; item++)
+                attend(blocks, block_ids, n_blocks, block_size, valid, row_bytes, q, out, n_kv, group, d_k, d_v,
+                       k_segments, k_first, v_segments, v_first, log8, scaling, item, buf, scores);
+        }
+        free(buf);
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }

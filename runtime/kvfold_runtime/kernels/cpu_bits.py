@@ -1,6 +1,8 @@
-"""The CPU decoder of band codes in C (cpu_bits.c): decode_heads' values, built once per machine with the C
-compiler inductor also uses, called through ctypes (no Python extension build, no torch headers: a 2-second
-compile), the rows split over torch's intra-op threads (ctypes lets go of the GIL during the call).
+"""The CPU decoder of band codes in C (cpu_bits.c): decode_heads' values, and decode attention read straight
+from a paged cache's codes; built once per machine with the C compiler inductor also uses, called through ctypes
+(no Python extension build, no torch headers: a 2-second compile). Its loops run on torch's own OpenMP threads:
+built with -fopenmp, it links libgomp.so.1, which the process has already loaded for torch (one runtime, one
+thread pool; Python threads here instead lost their cores to torch's threads spinning after each matmul).
 
 Why C: the table-driven decoder (torch_bits._decode) reads every dim's bytes through index tables, which
 inductor compiles to a scalar loop of gathers: 3.1 ms of a 32 × 400-token decode step per SmolLM2 bits layer
@@ -19,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,8 +32,7 @@ __all__ = ["decode_attention_c", "decode_rows_c", "library"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
-_MIN_ROWS_PER_THREAD = 256  # below this a thread costs more than it saves
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
 def _cpu_id() -> str:
@@ -78,7 +78,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvfold_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int32, ctypes.c_int32]
-    lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64]
+    lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int64]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -125,11 +125,6 @@ def _head_segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6), torch.tensor(first, dtype=torch.int32)
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvfold-decode")
-
-
 def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
                   scales: torch.Tensor) -> torch.Tensor:
     """rows [..., row bytes] uint8 on the CPU -> [..., Σ widths] float32 (decode_heads' values); `scales`: the
@@ -140,19 +135,9 @@ def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tupl
         flat = flat.contiguous()
     seg = _segments(widths, bands)
     out = torch.empty(flat.shape[0], sum(widths), dtype=torch.float32)
-    n, stride, width = flat.shape[0], flat.stride(0), out.shape[1]
-
-    def run(first: int, count: int) -> None:
-        lib.kvfold_decode_rows(flat.data_ptr() + first * stride, count, stride, seg.data_ptr(), seg.shape[0],
-                               scales.data_ptr(), out.data_ptr() + first * width * 4, width)
-
-    threads = min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD)
-    if threads <= 1:
-        run(0, n)
-    else:
-        step = -(-n // threads)
-        list(_pool(threads).map(lambda i: run(i, min(step, n - i)), range(0, n, step)))
-    return out.view(*rows.shape[:-1], width)
+    lib.kvfold_decode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), seg.data_ptr(), seg.shape[0],
+                           scales.data_ptr(), out.data_ptr(), out.shape[1])
+    return out.view(*rows.shape[:-1], out.shape[1])
 
 
 def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor,
@@ -172,21 +157,11 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     ids, q = block_ids.long().contiguous(), q.float().contiguous()
     valid = valid.contiguous().view(torch.uint8)
     out = q.new_empty(n, dims.group * sum(dims.d_v))
-    items, kv_heads, scales = n * len(dims.d_k), len(dims.d_k), log8_scales("cpu")
-
-    def run(first: int, last: int) -> None:
-        failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
-                                             blocks.shape[2], q.data_ptr(), out.data_ptr(), kv_heads, dims.group,
-                                             d_k.data_ptr(), d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
-                                             v_seg.data_ptr(), v_first.data_ptr(), scales.data_ptr(), scaling, first,
-                                             last)
-        if failed:
-            raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
-
-    threads = min(torch.get_num_threads(), items)
-    if threads <= 1 or n * b * blocks.shape[1] < _MIN_ROWS_PER_THREAD:
-        run(0, items)
-    else:
-        step = -(-items // threads)
-        list(_pool(threads).map(lambda i: run(i, min(i + step, items)), range(0, items, step)))
+    failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
+                                         blocks.shape[2], q.data_ptr(), out.data_ptr(), len(dims.d_k), dims.group,
+                                         d_k.data_ptr(), d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
+                                         v_seg.data_ptr(), v_first.data_ptr(), log8_scales("cpu").data_ptr(), scaling,
+                                         n * len(dims.d_k))
+    if failed:
+        raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
     return out
