@@ -12,6 +12,7 @@
  * built with -ffp-contract=off, so no fused multiply-add changes a rounding).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,88 +107,126 @@ static inline float dot_product(const float *a, const float *b, int32_t n) {
     return sum;
 }
 
-/* Decode attention read straight from the paged cache's codes: for work items [first, last) of (request n, KV
- * head g) = n * G + g, the group's query heads attend over the request's S = B * block_size rows (block b of
+/* Decode attention read straight from the paged cache's codes: for each request n and KV head g, the group's
+ * query heads attend over the request's S = B * block_size rows (block b of
  * request n is blocks[block_ids[n, b]], a block holds block_size rows of row_bytes; valid [N, S]) without writing
  * a decoded cache or gathering the blocks: a key is decoded into a buffer, scored against the group's queries,
  * then the values are decoded and summed with the softmax weights (two passes: scores, then values).
  * Segments per head: k_first[g] .. k_first[g + 1] of k_segments (out_at relative to the head's first dim,
  * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
  * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0. */
-static void attend(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
-                  const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int32_t n_kv, int32_t group,
-                  const int32_t *d_k, const int32_t *d_v, const int32_t *k_segments, const int32_t *k_first,
-                  const int32_t *v_segments, const int32_t *v_first, const float *log8, float scaling, int64_t item,
-                  float *buf, float *scores) {
-    int64_t n = item / n_kv, n_seq = n_blocks * block_size;
-    int32_t g = (int32_t)(item % n_kv), q_at = 0, o_at = 0, q_width = 0, o_width = 0;
-    for (int32_t h = 0; h < n_kv; h++) {
-        q_at += h < g ? group * d_k[h] : 0;
-        o_at += h < g ? group * d_v[h] : 0;
-        q_width += group * d_k[h];
-        o_width += group * d_v[h];
-    }
-    const float *qg = q + n * q_width + q_at;
-    float *og = out + n * o_width + o_at;
-    const int64_t *ids = block_ids + n * n_blocks;
-    const uint8_t *vq = valid + n * n_seq;
-#define ROW(s) (blocks + (ids[(s) / block_size] * block_size + (s) % block_size) * row_bytes)
-    float top[64], total[64]; /* per query head of the group (group <= 64, checked by the caller) */
+static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_block, int64_t last_block,
+                   int64_t block_size, const uint8_t *valid, int64_t row_bytes, const float *qg, int32_t group,
+                   int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
+                   const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
+                   float *buf, float *scores, float *acc, float *top, float *total) {
+    /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
+     * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. */
+int64_t s0 = first_block * block_size;
     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
-    for (int64_t s = 0; s < n_seq; s++) {
-        if (!vq[s]) continue;
-        decode_segments(ROW(s), k_segments, k_first[g], k_first[g + 1], log8, buf);
-        for (int32_t j = 0; j < group; j++) {
-            float dot = dot_product(qg + j * d_k[g], buf, d_k[g]) * scaling;
-            scores[s * group + j] = dot;
-            top[j] = dot > top[j] ? dot : top[j];
+    for (int64_t b = first_block, s = s0; b < last_block; b++) { /* block by block: no division per row */
+        const uint8_t *row = blocks + ids[b] * block_size * row_bytes;
+        for (int64_t r = 0; r < block_size; r++, s++, row += row_bytes) {
+            if (!valid[s]) continue;
+            decode_segments(row, k_segments, k_first, k_last, log8, buf);
+            for (int32_t j = 0; j < group; j++) {
+                float dot = dot_product(qg + j * d_k, buf, d_k) * scaling;
+                scores[(s - s0) * group + j] = dot;
+                top[j] = dot > top[j] ? dot : top[j];
+            }
         }
     }
-    for (int32_t j = 0; j < group * d_v[g]; j++) og[j] = 0.0f;
-    for (int64_t s = 0; s < n_seq; s++) {
-        if (!vq[s]) continue;
-        decode_segments(ROW(s), v_segments, v_first[g], v_first[g + 1], log8, buf);
-        for (int32_t j = 0; j < group; j++) {
-            float w = expf(scores[s * group + j] - top[j]);
-            total[j] += w;
-            float *oj = og + j * d_v[g];
-            for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * buf[c];
+    for (int32_t j = 0; j < group * d_v; j++) acc[j] = 0.0f;
+    for (int64_t b = first_block, s = s0; b < last_block; b++) {
+        const uint8_t *row = blocks + ids[b] * block_size * row_bytes;
+        for (int64_t r = 0; r < block_size; r++, s++, row += row_bytes) {
+            if (!valid[s]) continue;
+            decode_segments(row, v_segments, v_first, v_last, log8, buf);
+            for (int32_t j = 0; j < group; j++) {
+                float w = expf(scores[(s - s0) * group + j] - top[j]);
+                total[j] += w;
+                float *aj = acc + j * d_v;
+                for (int32_t c = 0; c < d_v; c++) aj[c] += w * buf[c];
+            }
         }
-    }
-#undef ROW
-    for (int32_t j = 0; j < group; j++) {
-        float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
-        float *oj = og + j * d_v[g];
-        for (int32_t c = 0; c < d_v[g]; c++) oj[c] *= inv;
     }
 }
 
-/* Every (request, KV head) item, over the OpenMP threads. Returns 0, or -1 when out of memory. */
+/* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 4 per thread (a short
+ * batch of long contexts), each one's blocks are split in parts that are summed afterwards, flash-decoding's
+ * way (the parts' sums rescaled to the largest score). Returns 0, or -1 when out of memory. */
 int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
-                            const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int32_t n_kv,
-                            int32_t group, const int32_t *d_k, const int32_t *d_v, const int32_t *k_segments,
-                            const int32_t *k_first, const int32_t *v_segments, const int32_t *v_first,
-                            const float *log8, float scaling, int64_t n_items) {
-    int32_t widest = 1, failed = 0;
+                            const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int64_t n_req,
+                            int32_t n_kv, int32_t group, const int32_t *d_k, const int32_t *d_v,
+                            const int32_t *k_segments, const int32_t *k_first, const int32_t *v_segments,
+                            const int32_t *v_first, const float *log8, float scaling) {
+    int32_t widest = 1, q_width = 0, o_width = 0, failed = 0;
     for (int32_t g = 0; g < n_kv; g++) {
         widest = d_k[g] > widest ? d_k[g] : widest;
         widest = d_v[g] > widest ? d_v[g] : widest;
+        q_width += group * d_k[g];
+        o_width += group * d_v[g];
     }
+    int64_t heads = n_req * n_kv, want = 4 * (int64_t)omp_get_max_threads();
+    int64_t parts = heads >= want ? 1 : (want + heads - 1) / heads;
+    parts = parts > n_blocks ? n_blocks : (parts < 1 ? 1 : parts);
+    int64_t per_part = (n_blocks + parts - 1) / parts, stride = (int64_t)group * (widest + 2);
+    float *partial = malloc(sizeof(float) * (size_t)(heads * parts * stride));
+    if (!partial) return -1;
     /* torch's own OpenMP threads (the same libgomp.so.1 is loaded once per process), one buffer set each */
 #pragma omp parallel reduction(| : failed)
     {
         float *buf = malloc(sizeof(float) * (size_t)widest);
-        float *scores = malloc(sizeof(float) * (size_t)(n_blocks * block_size * group));
+        float *scores = malloc(sizeof(float) * (size_t)(per_part * block_size * group));
         if (!buf || !scores) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < n_items; item++)
-                attend(blocks, block_ids, n_blocks, block_size, valid, row_bytes, q, out, n_kv, group, d_k, d_v,
-                       k_segments, k_first, v_segments, v_first, log8, scaling, item, buf, scores);
+            for (int64_t item = 0; item < heads * parts; item++) {
+                int64_t n = item / (n_kv * parts), part = item % parts;
+                int32_t g = (int32_t)(item / parts % n_kv), q_at = 0;
+                for (int32_t h = 0; h < g; h++) q_at += group * d_k[h];
+                int64_t b0 = part * per_part, b1 = b0 + per_part > n_blocks ? n_blocks : b0 + per_part;
+                float *acc = partial + item * stride, *top = acc + group * widest, *total = top + group;
+                if (b0 >= b1) {
+                    for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
+                    continue;
+                }
+                attend(blocks, block_ids + n * n_blocks, b0, b1, block_size, valid + n * n_blocks * block_size,
+                       row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
+                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, buf, scores, acc,
+                       top, total);
+            }
         }
         free(buf);
         free(scores);
     }
+    if (!failed) { /* the parts of each (request, KV head) summed: out = Σ acc·e^(top - m) / Σ total·e^(top - m) */
+#pragma omp parallel for schedule(static)
+        for (int64_t head = 0; head < heads; head++) {
+            int64_t n = head / n_kv;
+            int32_t g = (int32_t)(head % n_kv), o_at = 0;
+            for (int32_t h = 0; h < g; h++) o_at += group * d_v[h];
+            float *og = out + n * o_width + o_at;
+            for (int32_t j = 0; j < group; j++) {
+                float m = -INFINITY, sum = 0.0f, *oj = og + j * d_v[g];
+                for (int64_t part = 0; part < parts; part++) {
+                    float t = partial[(head * parts + part) * stride + group * widest + j];
+                    m = t > m ? t : m;
+                }
+                for (int32_t c = 0; c < d_v[g]; c++) oj[c] = 0.0f;
+                if (m == -INFINITY) continue; /* no row seen: 0 */
+                for (int64_t part = 0; part < parts; part++) {
+                    const float *acc = partial + (head * parts + part) * stride, *top = acc + group * widest;
+                    if (top[j] == -INFINITY) continue; /* a part with no row seen (its sums were never written) */
+                    float w = expf(top[j] - m);
+                    sum += w * top[group + j];
+                    for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * acc[j * d_v[g] + c];
+                }
+                for (int32_t c = 0; c < d_v[g]; c++) oj[c] /= sum;
+            }
+        }
+    }
+    free(partial);
     return failed ? -1 : 0;
 }

@@ -77,8 +77,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvfold_decode_attention.restype = ctypes.c_int
     lib.kvfold_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_int32, ctypes.c_int32]
-    lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int64]
+                                            ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -158,10 +158,9 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     valid = valid.contiguous().view(torch.uint8)
     out = q.new_empty(n, dims.group * sum(dims.d_v))
     failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
-                                         blocks.shape[2], q.data_ptr(), out.data_ptr(), len(dims.d_k), dims.group,
+                                         blocks.shape[2], q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
                                          d_k.data_ptr(), d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
-                                         v_seg.data_ptr(), v_first.data_ptr(), log8_scales("cpu").data_ptr(), scaling,
-                                         n * len(dims.d_k))
+                                         v_seg.data_ptr(), v_first.data_ptr(), log8_scales("cpu").data_ptr(), scaling)
     if failed:
         raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
     return out
