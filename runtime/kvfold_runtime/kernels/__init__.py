@@ -3,7 +3,8 @@ the paged layout that vLLM's block tables address, and the row codecs that store
 model's dtype or fp8, or a bits-format layer's band codes: see kvfold_runtime.kernels.paged).
 
 reference.py is the oracle; torch_sdpa.py and paged.py the torch path (CPU, and fallbacks; torch_decode.py its
-batched decode, torch_bits.py its writer and reader of band codes);
+batched decode, torch_bits.py its writer and reader of band codes, cpu_bits.c/.py the same reader and decode
+attention over band codes in C where a C compiler runs);
 triton_decode.py / triton_prefill.py / triton_bits.py the GPU kernels (triton_common.py: their shared host-side
 checks and tables); dispatch.py picks one per call (KVFOLD_KERNELS)."""
 
