@@ -27,6 +27,7 @@ import torch
 
 from kvfold_runtime.bands import Band, log8_scales
 from kvfold_runtime.format import LayerDims
+from kvfold_runtime.kernels.bits_table import band_table, unpack
 
 __all__ = ["decode_attention_c", "decode_rows_c", "library"]
 
@@ -85,50 +86,43 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _head(width: int, head: tuple[Band, ...], at: int) -> tuple[list[tuple[int, ...]], int]:
-    """One head's segments for cpu_bits.c — per band (out_at, n, bits, code_at, scale_at, scale_kind), zero
-    segments for the dims no band holds; out_at from the head's first dim, bytes from `at` (the head's first
-    byte) — and the byte after the head's row."""
-    out, code_at, scale_at, filled = [], at, at + sum(b.code_bytes for b in head), 0
-    for b in head:
-        if b.start > filled:
-            out.append((filled, b.start - filled, 0, 0, 0, 0))
-        kind = {"log8": 1, "float16": 2}[b.scale] if b.scaled else 0
-        out.append((b.start, b.size, b.bits, code_at, scale_at if b.scaled else 0, kind))
-        code_at, scale_at, filled = code_at + b.code_bytes, scale_at + b.scale_bytes, b.start + b.size
-    if width > filled:
-        out.append((filled, width - filled, 0, 0, 0, 0))
-    return out, scale_at
-
-
-@functools.lru_cache(maxsize=256)
-def _segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
-    """The whole row's segments [M, 6], out_at from the row's first dim (decode_rows_c)."""
-    rows, at, first_dim = [], 0, 0
-    for width, head in zip(widths, bands, strict=True):
-        mine, at = _head(width, head, at)
-        rows += [(o + first_dim, *rest) for o, *rest in mine]
-        first_dim += width
-    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6)
-
-
 @functools.lru_cache(maxsize=256)
 def _head_segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
-                   at: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head its own segments (out_at from the head's first dim; this side's bytes begin at byte `at` of the
-    row) and where each head's segments start: (segments [M, 6], first [G + 1]) for decode_attention_c."""
+                   at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head its segments for cpu_bits.c — per band (out_at, n, bits, code_at, scale_at, scale_kind), zero
+    segments for the dims no band holds; out_at from the head's first dim, bytes from the row's start, this
+    side's bytes beginning at byte `at` — and where each head's segments start: (segments [M, 6], first [G + 1]).
+    Where a band's codes and scale sit is read from bits_table (the layout's one statement, the Triton kernels')."""
+    f = unpack(band_table(widths, bands, "cpu"))
     rows, first = [], [0]
-    for width, head in zip(widths, bands, strict=True):
-        mine, at = _head(width, head, at)
-        rows += mine
+    for g, (width, head) in enumerate(zip(widths, bands, strict=True)):
+        filled = 0
+        for b in head:
+            if b.start > filled:
+                rows.append((filled, b.start - filled, 0, 0, 0, 0))
+            byte, scale_at, kind = (int(f[k][g, b.start]) for k in ("byte", "scale_at", "kind"))
+            rows.append((b.start, b.size, b.bits, at + byte, at + scale_at if kind else 0, kind))
+            filled = b.start + b.size
+        if width > filled:
+            rows.append((filled, width - filled, 0, 0, 0, 0))
         first.append(len(rows))
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 6), torch.tensor(first, dtype=torch.int32)
 
 
-def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
-                  scales: torch.Tensor) -> torch.Tensor:
-    """rows [..., row bytes] uint8 on the CPU -> [..., Σ widths] float32 (decode_heads' values); `scales`: the
-    256 log8 scales (bands.log8_scales). library() must not be None."""
+@functools.lru_cache(maxsize=256)
+def _segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
+    """The whole row's segments [M, 6] (decode_rows_c): each head's, out_at moved to the head's first dim."""
+    seg, first = _head_segments(widths, bands)
+    head_of = torch.repeat_interleave(torch.arange(len(widths)), first.diff())
+    starts = torch.tensor([0, *widths]).cumsum(0)[:-1]
+    seg = seg.clone()
+    seg[:, 0] += starts[head_of].int()
+    return seg
+
+
+def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
+    """rows [..., row bytes] uint8 on the CPU -> [..., Σ widths] float32 (decode_heads' values). library() must
+    not be None."""
     lib = library()
     flat = rows.reshape(-1, rows.shape[-1])
     if flat.stride(-1) != 1:
@@ -136,7 +130,7 @@ def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tupl
     seg = _segments(widths, bands)
     out = torch.empty(flat.shape[0], sum(widths), dtype=torch.float32)
     lib.kvfold_decode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), seg.data_ptr(), seg.shape[0],
-                           scales.data_ptr(), out.data_ptr(), out.shape[1])
+                           log8_scales("cpu").data_ptr(), out.data_ptr(), out.shape[1])
     return out.view(*rows.shape[:-1], out.shape[1])
 
 

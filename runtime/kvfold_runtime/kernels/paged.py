@@ -188,11 +188,11 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Te
     if out is None:
         out = query.new_empty(query.shape[0], group * sum(d_v))
     if plan.decode_rows is not None:
-        n, count = plan.decode_blocks.shape
         if _reads_codes(codec, query, blocks):  # C: scores and sums straight from the blocks' codes, in place
             out[plan.decode_rows] = decode_attention_c(query[plan.decode_rows], blocks, plan.decode_blocks,
                                                        plan.decode_valid, codec.dims, scaling=scaling).to(out.dtype)
         else:
+            n, count = plan.decode_blocks.shape
             rows = blocks.index_select(0, plan.decode_blocks.view(-1)).view(n, count * blocks.shape[1], -1)
             rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN is NaN
             k, v = codec.decode(rows, query.dtype)
