@@ -130,7 +130,7 @@ def _banded(d_k, d_v, group) -> LayerDims:
 
 @pytest.mark.parametrize("widths", list(WIDTHS.values()), ids=list(WIDTHS))
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("reader", ["c", "torch"])
+@pytest.mark.parametrize("reader", ["c", "c-scalar", "torch"])
 def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window, reader, monkeypatch):
     """A bits-format layer's paged cache: uint8 rows of exactly LayerDims.row_bytes() = the export's bytes per
     token, each encode_heads(keys) ++ encode_heads(values); attention over it (decodes, a prefill, a chunked
@@ -139,8 +139,10 @@ def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(width
     if reader == "torch":
         monkeypatch.setattr(paged_module, "library", lambda: None)
         monkeypatch.setattr(cpu_bits, "library", lambda: None)
-    elif cpu_bits.library() is None:
-        pytest.skip("no C compiler on this machine")
+    else:
+        monkeypatch.setenv("KVFOLD_CPU_DECODER", reader)
+        if cpu_bits.library() is None:
+            pytest.skip("no C compiler on this machine")
     d_k, d_v = widths
     group, bs = 2, 4
     dims = _banded(d_k, d_v, group)

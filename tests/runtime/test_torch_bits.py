@@ -17,11 +17,13 @@ from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from tests.runtime.test_triton_bits import LAYERS
 
 
-@pytest.fixture(params=["c", "compiled", "eager"])
+@pytest.fixture(params=["c", "c-scalar", "compiled", "eager"])
 def decoder(request, monkeypatch):
-    """Each of the CPU path's decoders: the C one (cpu_bits.c, where a C compiler runs), torch_bits' table-driven
-    ops compiled by inductor, and those ops eagerly (no compiler at all)."""
-    if request.param == "c":
+    """Each of the CPU path's decoders: the C one (cpu_bits.c, where a C compiler runs: its vector loops where the
+    CPU has AVX2 and BMI2, and built without them), torch_bits' table-driven ops compiled by inductor, and those ops
+    eagerly (no compiler at all)."""
+    if request.param.startswith("c"):
+        monkeypatch.setenv("KVFOLD_CPU_DECODER", request.param)
         if cpu_bits.library() is None:
             assert shutil.which("cc") is None and shutil.which("gcc") is None, "a compiler is here: the build failed"
             pytest.skip("no C compiler on this machine")
@@ -65,6 +67,18 @@ def test_the_c_decoder_splits_many_rows_over_threads():
                        decode_heads(rows, dims.d_v, dims.v_bands, torch.float32))
     gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
     assert not [path for path in gomp if path.startswith(("/usr/", "/lib"))], gomp  # the system's: a second pool
+
+
+def test_the_c_decoder_uses_its_vector_loops_where_the_cpu_has_them(monkeypatch):
+    """The default build decodes with AVX2 + BMI2 vectors wherever the CPU has them (else every test above would
+    check only the scalar loops on such a machine); KVFOLD_CPU_DECODER=c-scalar builds the scalar loops."""
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
+    flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    assert cpu_bits.library().kvfold_vector_loops() == int("avx2" in flags and "bmi2" in flags)
+    monkeypatch.setenv("KVFOLD_CPU_DECODER", "c-scalar")
+    assert cpu_bits.library().kvfold_vector_loops() == 0
 
 
 def _rows_to_encode(width: int, g: torch.Generator) -> torch.Tensor:

@@ -17,6 +17,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The vector path needs AVX2 and BMI2 (-march=native turns them on where the CPU has them); KVFOLD_SCALAR
+ * forces the scalar loops (the tests build both). */
+#if defined(__AVX2__) && defined(__BMI2__) && !defined(KVFOLD_SCALAR)
+#include <immintrin.h>
+#define KVFOLD_SIMD 1
+#else
+#define KVFOLD_SIMD 0
+#endif
+
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     if (exp == 0x1fu) {
@@ -41,13 +50,36 @@ static inline uint64_t load_le(const uint8_t *p, int n) { /* n <= 8 bytes, littl
     return w;
 }
 
-/* n codes of `bits` bits from `codes`; G codes fill GB bytes exactly (G * bits == 8 * GB). A code goes to float
- * through int32: converting an unsigned 64-bit integer is a slow multi-instruction sequence on x86. */
+/* n codes of `bits` bits from `codes` into floats. With AVX2 and BMI2 (x86 since 2013), eight codes fill
+ * `bits` bytes exactly: one pdep spreads them into one byte each, and the eight are widened, converted and
+ * scaled as one vector (a partial last group read from its own bytes only, stored under a mask). Without them,
+ * a scalar loop over groups of G codes that fill GB bytes (G * bits == 8 * GB). Either way the same float32
+ * operations per code, so the same values. A code goes to float through int32: converting an unsigned 64-bit
+ * integer is a slow multi-instruction sequence on x86. */
 static inline __attribute__((always_inline)) void band(const uint8_t *codes, int n, float *out, float s,
                                                        const int bits, const int G, const int GB) {
     const uint64_t mask = (1u << bits) - 1u;
     const float offset = 0.5f - (float)(1 << (bits - 1));
     int i = 0;
+#if KVFOLD_SIMD
+    (void)G, (void)GB;
+    const uint64_t spread = 0x0101010101010101ull * mask; /* the low `bits` bits of each byte */
+    const __m256 vo = _mm256_set1_ps(offset), vs = _mm256_set1_ps(s);
+    for (; i + 8 <= n; i += 8, codes += bits) {
+        uint64_t w = load_le(codes, bits); /* in registers: a memcpy into w stalls store-to-load forwarding */
+        if (bits != 8) w = _pdep_u64(w, spread);
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_add_ps(v, vo), vs));
+    }
+    if (i < n) {
+        int rest = n - i;
+        uint64_t w = load_le(codes, (rest * bits + 7) / 8);
+        if (bits != 8) w = _pdep_u64(w, spread);
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w)));
+        __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(out + i, keep, _mm256_mul_ps(_mm256_add_ps(v, vo), vs));
+    }
+#else
     for (; i + G <= n; i += G, codes += GB) {
         uint64_t w = load_le(codes, GB);
         for (int k = 0; k < G; k++) out[i + k] = ((float)(int32_t)((w >> (k * bits)) & mask) + offset) * s;
@@ -57,53 +89,85 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
         uint64_t w = load_le(codes, (rest * bits + 7) / 8);
         for (int k = 0; k < rest; k++) out[i + k] = ((float)(int32_t)((w >> (k * bits)) & mask) + offset) * s;
     }
+#endif
 }
 
-/* One row's segments [first, last) into out (see the header for a segment's six numbers). */
-static inline void decode_segments(const uint8_t *row, const int32_t *segments, int32_t first, int32_t last,
-                                   const float *log8, float *out) {
+/* n_rows rows' segments [first, last) into out (row r at rows + r * row_stride, its numbers at
+ * out + r * out_stride; see the header for a segment's six numbers). Segment by segment, each over all the
+ * rows: the segment is read and its width dispatched once per run of rows, not once per row. */
+static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int64_t n_rows,
+                                   const int32_t *segments, int32_t first, int32_t last, const float *log8,
+                                   float *out, int64_t out_stride) {
     for (int32_t j = first; j < last; j++) {
         const int32_t *sg = segments + 6 * j;
         int out_at = sg[0], n = sg[1], bits = sg[2], code_at = sg[3], scale_at = sg[4], kind = sg[5];
-        float *dst = out + out_at;
-        const uint8_t *src = row + code_at;
-        if (bits == 0) {
-            memset(dst, 0, sizeof(float) * (size_t)n);
-            continue;
-        }
-        if (bits == 16) {
-            for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
-            continue;
-        }
-        float s = kind == 1 ? log8[row[scale_at]] : half_to_float((uint16_t)(row[scale_at] | (row[scale_at + 1] << 8)));
+#define ROWS(body)                                                                                            \
+    for (int64_t r = 0; r < n_rows; r++) {                                                                    \
+        const uint8_t *row = rows + r * row_stride, *src = row + code_at;                                     \
+        float *dst = out + r * out_stride + out_at;                                                           \
+        float s = kind == 1 ? log8[row[scale_at]]                                                             \
+                            : kind == 2 ? half_to_float((uint16_t)(row[scale_at] | (row[scale_at + 1] << 8))) \
+                                        : 0.0f;                                                               \
+        (void)s, (void)src;                                                                                   \
+        body;                                                                                                 \
+    }
         switch (bits) { /* constant widths: each case compiles to its own unrolled loop */
-        case 2: band(src, n, dst, s, 2, 4, 1); break;
-        case 3: band(src, n, dst, s, 3, 8, 3); break;
-        case 4: band(src, n, dst, s, 4, 2, 1); break;
-        case 5: band(src, n, dst, s, 5, 8, 5); break;
-        case 6: band(src, n, dst, s, 6, 4, 3); break;
-        case 8: band(src, n, dst, s, 8, 1, 1); break;
-        default: memset(dst, 0, sizeof(float) * (size_t)n); /* not a width bands.py writes */
+        case 16:
+            ROWS(for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
+            break;
+        case 2: ROWS(band(src, n, dst, s, 2, 4, 1)); break;
+        case 3: ROWS(band(src, n, dst, s, 3, 8, 3)); break;
+        case 4: ROWS(band(src, n, dst, s, 4, 2, 1)); break;
+        case 5: ROWS(band(src, n, dst, s, 5, 8, 5)); break;
+        case 6: ROWS(band(src, n, dst, s, 6, 4, 3)); break;
+        case 8: ROWS(band(src, n, dst, s, 8, 1, 1)); break;
+        default: ROWS(memset(dst, 0, sizeof(float) * (size_t)n)); /* 0: dims no band holds */
         }
+#undef ROWS
     }
 }
 
+/* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */
+int kvfold_vector_loops(void) { return KVFOLD_SIMD; }
+
 void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride, const int32_t *segments,
                         int32_t n_segments, const float *log8, float *out, int64_t out_width) {
+    int64_t runs = (n_rows + 15) / 16; /* sixteen rows at a time: a run's output stays in the L1 cache */
 #pragma omp parallel for schedule(static) if (n_rows >= 512)
-    for (int64_t r = 0; r < n_rows; r++) decode_segments(rows + r * row_stride, segments, 0, n_segments, log8,
-                                                         out + r * out_width);
+    for (int64_t run = 0; run < runs; run++) {
+        int64_t r0 = run * 16, n = n_rows - r0 < 16 ? n_rows - r0 : 16;
+        decode_segments(rows + r0 * row_stride, row_stride, n, segments, 0, n_segments, log8, out + r0 * out_width,
+                        out_width);
+    }
 }
 
-/* Sixteen partial sums, so that the compiler vectorises the loop without reordering any one sum. */
+/* Sixteen floats as one vector; loads and stores through memcpy, which compiles to one unaligned move. */
+typedef float f32x16 __attribute__((vector_size(64)));
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+/* Sixteen partial sums in one vector (lanes of its own, so no reordering of a sum is asked of the compiler),
+ * added up as a tree. */
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 static inline float dot_product(const float *a, const float *b, int32_t n) {
-    float part[16] = {0};
+    f32x16 part = {0};
     int32_t c = 0;
-    for (; c + 16 <= n; c += 16)
-        for (int l = 0; l < 16; l++) part[l] += a[c + l] * b[c + l];
-    for (; c < n; c++) part[0] += a[c] * b[c];
-    float sum = 0.0f;
-    for (int l = 0; l < 16; l++) sum += part[l];
+    for (; c + 16 <= n; c += 16) part += load16(a + c) * load16(b + c);
+    f32x8 lo, hi;
+    memcpy(&lo, &part, sizeof lo);
+    memcpy(&hi, (const char *)&part + sizeof lo, sizeof hi);
+    lo += hi;
+    f32x4 l4, h4;
+    memcpy(&l4, &lo, sizeof l4);
+    memcpy(&h4, (const char *)&lo + sizeof l4, sizeof h4);
+    l4 += h4;
+    float sum = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+    for (; c < n; c++) sum += a[c] * b[c];
     return sum;
 }
 
@@ -119,34 +183,48 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                    int64_t block_size, const uint8_t *valid, int64_t row_bytes, const float *qg, int32_t group,
                    int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
                    const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
-                   float *buf, float *scores, float *acc, float *top, float *total) {
+                   float *buf, int64_t buf_stride, float *scores, float *acc, float *top, float *total) {
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
-     * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. */
-int64_t s0 = first_block * block_size;
+     * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
+     * keys (then values) are decoded at once into buf [block_size, buf_stride]. */
+    int64_t s0 = first_block * block_size;
     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
-    for (int64_t b = first_block, s = s0; b < last_block; b++) { /* block by block: no division per row */
-        const uint8_t *row = blocks + ids[b] * block_size * row_bytes;
-        for (int64_t r = 0; r < block_size; r++, s++, row += row_bytes) {
+    for (int64_t b = first_block, s = s0; b < last_block; b++) {
+        decode_segments(blocks + ids[b] * block_size * row_bytes, row_bytes, block_size, k_segments, k_first,
+                        k_last, log8, buf, buf_stride);
+        for (int64_t r = 0; r < block_size; r++, s++) {
             if (!valid[s]) continue;
-            decode_segments(row, k_segments, k_first, k_last, log8, buf);
             for (int32_t j = 0; j < group; j++) {
-                float dot = dot_product(qg + j * d_k, buf, d_k) * scaling;
+                float dot = dot_product(qg + j * d_k, buf + r * buf_stride, d_k) * scaling;
                 scores[(s - s0) * group + j] = dot;
                 top[j] = dot > top[j] ? dot : top[j];
             }
         }
     }
     for (int32_t j = 0; j < group * d_v; j++) acc[j] = 0.0f;
-    for (int64_t b = first_block, s = s0; b < last_block; b++) {
-        const uint8_t *row = blocks + ids[b] * block_size * row_bytes;
-        for (int64_t r = 0; r < block_size; r++, s++, row += row_bytes) {
-            if (!valid[s]) continue;
-            decode_segments(row, v_segments, v_first, v_last, log8, buf);
+    for (int64_t b = first_block, s = s0; b < last_block; b++, s += block_size) {
+        decode_segments(blocks + ids[b] * block_size * row_bytes, row_bytes, block_size, v_segments, v_first,
+                        v_last, log8, buf, buf_stride);
+        float *w = scores + (s - s0) * group; /* the block's weights, in place of its scores */
+        for (int64_t r = 0; r < block_size; r++)
             for (int32_t j = 0; j < group; j++) {
-                float w = expf(scores[(s - s0) * group + j] - top[j]);
-                total[j] += w;
-                float *aj = acc + j * d_v;
-                for (int32_t c = 0; c < d_v; c++) aj[c] += w * buf[c];
+                w[r * group + j] = valid[s + r] ? expf(w[r * group + j] - top[j]) : 0.0f;
+                total[j] += w[r * group + j];
+            }
+        for (int32_t j = 0; j < group; j++) {
+            /* Sixteen dims of the sum at a time over the block's rows, as one vector (GCC's vector types: one
+             * AVX-512 register, two AVX2 ones), which stays in a register for the whole block. */
+            float *aj = acc + j * d_v;
+            int32_t c = 0;
+            for (; c + 16 <= d_v; c += 16) {
+                f32x16 part = load16(aj + c);
+                for (int64_t r = 0; r < block_size; r++)
+                    if (valid[s + r]) part += w[r * group + j] * load16(buf + r * buf_stride + c);
+                store16(aj + c, part); /* an unwritten row may hold NaN bytes: never multiplied */
+            }
+            for (int64_t r = 0; r < block_size; r++) {
+                if (!valid[s + r]) continue;
+                for (int32_t cc = c; cc < d_v; cc++) aj[cc] += w[r * group + j] * buf[r * buf_stride + cc];
             }
         }
     }
@@ -176,7 +254,8 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
     /* torch's own OpenMP threads (the same libgomp.so.1 is loaded once per process), one buffer set each */
 #pragma omp parallel reduction(| : failed)
     {
-        float *buf = malloc(sizeof(float) * (size_t)widest);
+        int64_t buf_stride = (widest + 15) / 16 * 16; /* rows of the decoded block 64-byte aligned */
+        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(block_size * buf_stride));
         float *scores = malloc(sizeof(float) * (size_t)(per_part * block_size * group));
         if (!buf || !scores) {
             failed = 1;
@@ -194,7 +273,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
                 }
                 attend(blocks, block_ids + n * n_blocks, b0, b1, block_size, valid + n * n_blocks * block_size,
                        row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
-                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, buf, scores, acc,
+                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, buf, buf_stride, scores, acc,
                        top, total);
             }
         }

@@ -33,7 +33,7 @@ __all__ = ["decode_attention_c", "decode_rows_c", "library"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 
 
 def _cpu_id() -> str:
@@ -52,23 +52,30 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built decoder, or None (no compiler, a failed build, KVFOLD_CPU_DECODER=torch)."""
-    if os.environ.get("KVFOLD_CPU_DECODER", "c") == "torch" or not sys.platform.startswith("linux"):
+    """The built decoder, or None (no compiler, a failed build, KVFOLD_CPU_DECODER=torch). KVFOLD_CPU_DECODER=
+    c-scalar builds it without its vector loops (AVX2 + BMI2), as on a CPU without them (the tests run both)."""
+    choice = os.environ.get("KVFOLD_CPU_DECODER", "c")
+    if choice == "torch" or not sys.platform.startswith("linux"):
         return None
+    return _build(("-DKVFOLD_SCALAR",) if choice == "c-scalar" else ())
+
+
+@functools.cache
+def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
+    flags = [*_FLAGS, *extra]
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     built = _cache_dir() / f"cpu_bits-{key}.so"
     try:
         if not built.exists():
             built.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=built.parent) as tmp:  # built aside, renamed: workers race here
                 out = Path(tmp) / built.name
-                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(out)], check=True, capture_output=True,
+                subprocess.run([cc, *flags, str(_SOURCE), "-o", str(out)], check=True, capture_output=True,
                                timeout=120)
                 os.replace(out, built)
         lib = ctypes.CDLL(str(built))
@@ -80,6 +87,7 @@ def library() -> ctypes.CDLL | None:
                                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
     lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float]
+    lib.kvfold_vector_loops.restype = ctypes.c_int
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
