@@ -95,16 +95,15 @@ def _random_heads(widths: tuple[int, ...], g: torch.Generator) -> tuple:
                  for w in widths)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_encode_rows_writes_encode_heads_bytes(compiled, monkeypatch):
-    if not compiled:
-        monkeypatch.setitem(torch_bits._compiled, "failed", True)
+def test_encode_rows_writes_encode_heads_bytes(decoder):
+    """The encoder of each CPU path (the `decoder` fixture's: C, C scalar, compiled, eager)."""
     g = torch.Generator().manual_seed(3)
     cases = [(d.d_k, d.k_bands) for d in LAYERS.values()] + [(d.d_v, d.v_bands) for d in LAYERS.values()]
     cases += [((13, 64, 7), _random_heads((13, 64, 7), g)) for _ in range(12)]
-    for widths, bands in cases:  # LAYERS' float16-scale sides take encode_heads itself: checked all the same
+    for widths, bands in cases:  # torch's float16-scale sides take encode_heads itself: checked all the same
         x = _rows_to_encode(sum(widths), g)
         assert torch.equal(encode_rows(x, widths, bands), encode_heads(x, widths, bands))
+        assert torch.equal(encode_rows(x * 3e-5, widths, bands), encode_heads(x * 3e-5, widths, bands))
         lead = encode_rows(x[:6].view(2, 3, -1), widths, bands)
         assert torch.equal(lead, encode_heads(x[:6], widths, bands).view(2, 3, -1))
         assert torch.equal(encode_rows(x.bfloat16(), widths, bands), encode_heads(x.bfloat16(), widths, bands))

@@ -127,6 +127,82 @@ static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int6
     }
 }
 
+/* float32 -> float16 bits, rounded to the nearest even as torch's .to(float16) (Maratyszcza's FP16 library's
+ * fp16_ieee_from_fp32_value, which torch's own CPU conversion uses). */
+static inline uint16_t float_to_half(float f) {
+    uint32_t w, shl1, sign, bias, bits;
+    memcpy(&w, &f, 4);
+    shl1 = w + w, sign = w & 0x80000000u, bias = shl1 & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f, b;
+    uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    memcpy(&b, &bias_bits, 4);
+    base = b + base;
+    memcpy(&bits, &base, 4);
+    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+/* One row's segments into its bytes: bands.quantize's bytes exactly. A quantized band's scale is the smallest
+ * stored scale ≥ absmax / (2^(b−1) − ½) (a log8 byte: the first of the 256 table scales not below it; a float16:
+ * rounded, then one step up if below), its codes floor(x / s + 2^(b−1)) clamped to [0, 2^b − 1], packed as a
+ * little-endian bit stream. Here a segment's out_at is the dim it starts at in x. */
+static void encode_segments(const float *x, const int32_t *segments, int32_t n_segments, const float *log8,
+                            uint8_t *row) {
+    for (int32_t j = 0; j < n_segments; j++) {
+        const int32_t *sg = segments + 6 * j;
+        int at = sg[0], n = sg[1], bits = sg[2], code_at = sg[3], scale_at = sg[4], kind = sg[5];
+        const float *v = x + at;
+        uint8_t *dst = row + code_at;
+        if (bits == 0) continue; /* dims no band holds */
+        if (bits == 16) {
+            for (int i = 0; i < n; i++) {
+                uint16_t h = float_to_half(v[i]);
+                dst[2 * i] = (uint8_t)h, dst[2 * i + 1] = (uint8_t)(h >> 8);
+            }
+            continue;
+        }
+        float amax = 0.0f;
+        for (int i = 0; i < n; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        float ideal = amax / ((float)(1 << (bits - 1)) - 0.5f), scale;
+        ideal = ideal < 1e-30f ? 1e-30f : ideal;
+        if (kind == 1) {
+            int lo = 0, hi = 256; /* the first table scale ≥ ideal (torch.bucketize), at most the last */
+            while (lo < hi) {
+                int mid = (lo + hi) / 2;
+                if (log8[mid] < ideal) lo = mid + 1; else hi = mid;
+            }
+            lo = lo > 255 ? 255 : lo;
+            row[scale_at] = (uint8_t)lo;
+            scale = log8[lo];
+        } else {
+            uint16_t h = float_to_half(ideal);
+            if (half_to_float(h) < ideal) h++; /* positive and finite here: the next float16 up */
+            row[scale_at] = (uint8_t)h, row[scale_at + 1] = (uint8_t)(h >> 8);
+            scale = half_to_float(h);
+        }
+        const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
+        uint64_t acc = 0;
+        int filled = 0;
+        for (int i = 0; i < n; i++) {
+            float q = floorf(v[i] / scale + half);
+            q = q < 0.0f ? 0.0f : (q > top ? top : q);
+            acc |= (uint64_t)(uint32_t)q << filled;
+            filled += bits;
+            for (; filled >= 8; filled -= 8, acc >>= 8) *dst++ = (uint8_t)acc;
+        }
+        if (filled > 0) *dst = (uint8_t)acc; /* the band's last byte, its high bits zero */
+    }
+}
+
+/* x [n_rows, x_stride] float32 -> rows at out + r * out_stride (row_bytes of them written per row). */
+void kvfold_encode_rows(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments,
+                        int32_t n_segments, const float *log8, uint8_t *out, int64_t out_stride) {
+#pragma omp parallel for schedule(static) if (n_rows >= 256)
+    for (int64_t r = 0; r < n_rows; r++) encode_segments(x + r * x_stride, segments, n_segments, log8,
+                                                         out + r * out_stride);
+}
+
 /* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */
 int kvfold_vector_loops(void) { return KVFOLD_SIMD; }
 

@@ -29,7 +29,7 @@ from kvfold_runtime.bands import Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
-__all__ = ["decode_attention_c", "decode_rows_c", "library"]
+__all__ = ["decode_attention_c", "decode_rows_c", "encode_rows_c", "library"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -88,6 +88,9 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
                                             ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
     lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float]
     lib.kvfold_vector_loops.restype = ctypes.c_int
+    lib.kvfold_encode_rows.restype = None
+    lib.kvfold_encode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -140,6 +143,26 @@ def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tupl
     lib.kvfold_decode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), seg.data_ptr(), seg.shape[0],
                            log8_scales("cpu").data_ptr(), out.data_ptr(), out.shape[1])
     return out.view(*rows.shape[:-1], out.shape[1])
+
+
+def encode_rows_c(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., Σ widths] on the CPU -> [..., row bytes] uint8 (bands.encode_heads' bytes), written into `out`
+    (uint8, its last dim the row's bytes, unit stride: e.g. a column range of a wider row) when given. library()
+    must not be None."""
+    lib = library()
+    flat = x.reshape(-1, x.shape[-1]).float()
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    seg = _segments(widths, bands)
+    row_bytes = sum(b.code_bytes + b.scale_bytes for head in bands for b in head)
+    if out is None:
+        out = torch.empty(*x.shape[:-1], row_bytes, dtype=torch.uint8)
+    rows = out if out.dim() == 2 else out.view(-1, out.shape[-1])
+    assert rows.shape == (flat.shape[0], row_bytes) and rows.stride(-1) == 1 and rows.dtype == torch.uint8
+    lib.kvfold_encode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), seg.data_ptr(), seg.shape[0],
+                           log8_scales("cpu").data_ptr(), rows.data_ptr(), rows.stride(0))
+    return out
 
 
 def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor,

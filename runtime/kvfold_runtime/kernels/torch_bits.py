@@ -181,6 +181,9 @@ def _encode(x, band_dims, levels, scale_at, band, half, top, shift, lo, hi, quan
 def encode_rows(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
     """x [..., Σ_g widths[g]] (heads packed at their widths) -> [..., Σ_g row_bytes(bands[g])] uint8: exactly
     bands.encode_heads' bytes."""
+    widths, bands = tuple(widths), tuple(tuple(h) for h in bands)
+    if x.device.type == "cpu" and x.numel() and cpu_bits.library() is not None:  # the C encoder (cpu_bits.c)
+        return cpu_bits.encode_rows_c(x, widths, bands)
     w = _writer(tuple(widths), tuple(tuple(h) for h in bands), str(x.device))
     if w is None or x.numel() == 0:
         return encode_heads(x, widths, bands)
