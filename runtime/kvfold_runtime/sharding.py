@@ -4,7 +4,7 @@ Rank r of `size` holds KV heads [r·G/size, (r+1)·G/size) and query heads [r·H
 reads KV head h // group, so a rank's query heads read only its own KV heads and its attention is the
 unsharded layer's restricted to those heads. Its tensors (row vectors, format.py's packed layouts):
   q_proj, k_proj      the full-width rows of its heads (vLLM's own column split: heads are head_dim wide)
-  kvfold_q_post/k_post  its heads' blocks, block-diagonal ([local heads · d, Σ local widths])
+  kvfold_q_post/k_post  its heads' blocks, one per head ([local heads, d, widest local width], zero-padded)
   v_proj (and bias)   the rows of its KV heads' values
   o_proj              the columns of its query heads' outputs (vLLM adds the ranks' partial sums)
 
@@ -27,7 +27,8 @@ import torch
 
 from kvfold_runtime.format import LayerDims
 
-__all__ = ["PAD_LIMIT", "PAD_LIMIT_ENV", "LayerShard", "check_tensor_parallel", "padding_fraction", "shard_layer"]
+__all__ = ["PAD_LIMIT", "PAD_LIMIT_ENV", "LayerShard", "check_tensor_parallel", "padding_fraction", "post_rope",
+           "shard_layer"]
 
 # The most padding (extra cache bytes ÷ the export's) a TP size may cost before the plugin refuses it: the
 # ranks' block pools are then within ~3% of an even split of the export's bytes. A user who accepts more sets
@@ -39,6 +40,22 @@ PAD_LIMIT_ENV = "KVFOLD_TP_PADDING"
 def _split(n: int, rank: int, size: int) -> range:
     per = n // size
     return range(rank * per, (rank + 1) * per)
+
+
+def post_rope(x: torch.Tensor, blocks: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+    """x [T, heads · d] -> [T, Σ widths]: each head's d numbers times its block [d, widest] (q_post / k_post),
+    packed to the heads' widths (q_post_columns / k_post_columns). One batched product: a block-diagonal matmul
+    would do `heads` times the work."""
+    y = torch.bmm(x.view(x.shape[0], blocks.shape[0], blocks.shape[1]).transpose(0, 1), blocks)  # [heads, T, widest]
+    y = y.transpose(0, 1).reshape(x.shape[0], -1)
+    return y if columns is None else y.index_select(1, columns)
+
+
+def _packed_columns(widths: list[int]) -> torch.Tensor | None:
+    widest = max(widths)
+    if all(w == widest for w in widths):
+        return None
+    return torch.cat([torch.arange(i * widest, i * widest + w) for i, w in enumerate(widths)])
 
 
 def _segments(widths: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
@@ -83,23 +100,30 @@ class LayerShard:
         return out
 
     def q_post(self, q_post: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's kvfold_q_post [d, Σ_h d_k(g(h))] -> this rank's block-diagonal
-        [local query heads · d, Σ local query widths]."""
-        return self._block_diagonal(q_post, self._query_widths(self.source.d_k), self.query_heads,
-                                    self._query_widths(self.dims.d_k))
+        """The checkpoint's kvfold_q_post [d, Σ_h d_k(g(h))] -> this rank's query heads' blocks
+        [local query heads, d, widest local width] (a narrower head's block zero-padded on the right)."""
+        return self._per_head(q_post, self._query_widths(self.source.d_k), self.query_heads,
+                              self._query_widths(self.dims.d_k))
 
     def k_post(self, k_post: torch.Tensor) -> torch.Tensor:
-        """kvfold_k_post [d, Σ_g d_k] -> [local KV heads · d, Σ local d_k], block-diagonal."""
-        return self._block_diagonal(k_post, list(self.source.d_k), self.heads, list(self.dims.d_k))
+        """kvfold_k_post [d, Σ_g d_k] -> [local KV heads, d, widest local d_k], one block per head."""
+        return self._per_head(k_post, list(self.source.d_k), self.heads, list(self.dims.d_k))
 
-    def _block_diagonal(self, w: torch.Tensor, all_widths: list[int], picked: range,
-                        new_widths: list[int]) -> torch.Tensor:
-        d = w.shape[0]
-        out = w.new_zeros(len(new_widths) * d, sum(new_widths))
+    def q_post_columns(self) -> torch.Tensor | None:
+        """Where the packed [T, Σ local query widths] come from in the flat per-head product [T, heads · widest]
+        (None: every width is the widest, the product is already packed)."""
+        return _packed_columns(self._query_widths(self.dims.d_k))
+
+    def k_post_columns(self) -> torch.Tensor | None:
+        return _packed_columns(list(self.dims.d_k))
+
+    def _per_head(self, w: torch.Tensor, all_widths: list[int], picked: range,
+                  new_widths: list[int]) -> torch.Tensor:
+        out = w.new_zeros(len(new_widths), w.shape[0], max(new_widths))
         src = _segments(all_widths)
-        for i, ((start, _), h) in enumerate(zip(_segments(new_widths), picked, strict=True)):
+        for i, h in enumerate(picked):
             s, width = src[h]
-            out[i * d:(i + 1) * d, start:start + width] = w[:, s:s + width]
+            out[i, :, :width] = w[:, s:s + width]
         return out
 
     def v_rows(self, v: torch.Tensor) -> torch.Tensor:

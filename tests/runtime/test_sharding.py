@@ -13,6 +13,7 @@ from kvfold_runtime.sharding import (
     PAD_LIMIT_ENV,
     check_tensor_parallel,
     padding_fraction,
+    post_rope,
     shard_layer,
 )
 from tests.runtime.conftest import WIDE, WIDE_ARCHS
@@ -41,13 +42,12 @@ def _attention(x, wq, bq, wk, bk, q_post_cols, k_post_cols, wv, bv, dims: LayerD
                                scaling=d**-0.5)[0]
 
 
-def _blocks(block_diagonal: torch.Tensor, d: int, widths: list[int]) -> list[torch.Tensor]:
-    """The per-head [d, w] blocks of a block-diagonal [heads · d, Σ w] projection."""
-    out, col = [], 0
-    for i, w in enumerate(widths):
-        out.append(block_diagonal[i * d:(i + 1) * d, col:col + w])
-        col += w
-    return out
+def _blocks(per_head: torch.Tensor, d: int, widths: list[int]) -> list[torch.Tensor]:
+    """The per-head [d, w] blocks of a [heads, d, widest] projection (the padding columns checked zero)."""
+    assert per_head.shape == (len(widths), d, max(widths))
+    for block, w in zip(per_head, widths, strict=True):
+        assert not block[:, w:].any()
+    return [block[:, :w] for block, w in zip(per_head, widths, strict=True)]
 
 
 def _rows(tensors: dict, name: str, rows: slice) -> torch.Tensor | None:
@@ -88,6 +88,17 @@ def test_each_rank_computes_its_heads_and_the_ranks_add_up(wide_exports, arch, s
                              _blocks(shard.q_post(t["kvfold_q_post"]), d, local_q_widths),
                              _blocks(shard.k_post(t["kvfold_k_post"]), d, list(local.d_k)),
                              shard.v_rows(t["v_proj.weight"]), v_bias, local, d)
+            # the runtime's batched product (post_rope) packs each head's block product to its width
+            xq = torch.randn(5, len(qh) * d)
+            torch.testing.assert_close(
+                post_rope(xq, shard.q_post(t["kvfold_q_post"]), shard.q_post_columns()),
+                torch.cat([h @ a for h, a in zip(xq.split(d, -1), _blocks(shard.q_post(t["kvfold_q_post"]), d,
+                                                                          local_q_widths), strict=True)], -1))
+            xk = torch.randn(5, len(kh) * d)
+            torch.testing.assert_close(
+                post_rope(xk, shard.k_post(t["kvfold_k_post"]), shard.k_post_columns()),
+                torch.cat([h @ b for h, b in zip(xk.split(d, -1), _blocks(shard.k_post(t["kvfold_k_post"]), d,
+                                                                          list(local.d_k)), strict=True)], -1))
             # this rank's query heads equal the unsharded layer's, their padded dims zero
             for h, got in zip(qh, _cols(out, [w for w in local.d_v for _ in range(local.group)]), strict=True):
                 want = full_heads[h]

@@ -250,8 +250,10 @@ static inline float dot_product(const float *a, const float *b, int32_t n) {
 /* Decode attention read straight from the paged cache's codes: for each request n and KV head g, the group's
  * query heads attend over the request's S = B * block_size rows (block b of
  * request n is blocks[block_ids[n, b]], a block holds block_size rows of row_bytes; valid [N, S]) without writing
- * a decoded cache or gathering the blocks: a key is decoded into a buffer, scored against the group's queries,
- * then the values are decoded and summed with the softmax weights (two passes: scores, then values).
+ * a decoded cache or gathering the blocks. One pass, block by block (flash attention's online softmax): a
+ * block's keys are decoded into a buffer and scored against the group's queries, the sums so far rescaled if
+ * the largest score grew, then the block's values decoded and added with their weights — the block's bytes
+ * read once, while the next block's are fetched.
  * Segments per head: k_first[g] .. k_first[g + 1] of k_segments (out_at relative to the head's first dim,
  * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
  * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0. */
@@ -259,34 +261,44 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                    int64_t block_size, const uint8_t *valid, int64_t row_bytes, const float *qg, int32_t group,
                    int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
                    const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
-                   float *buf, int64_t buf_stride, float *scores, float *acc, float *top, float *total) {
+                   float *buf, int64_t buf_stride, float *w, float *acc, float *top, float *total) {
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
      * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
-     * keys (then values) are decoded at once into buf [block_size, buf_stride]. */
-    int64_t s0 = first_block * block_size;
+     * keys (then values) are decoded at once into buf [block_size, buf_stride]; w [block_size, group]. */
+    const int64_t block_bytes = block_size * row_bytes;
     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
-    for (int64_t b = first_block, s = s0; b < last_block; b++) {
-        decode_segments(blocks + ids[b] * block_size * row_bytes, row_bytes, block_size, k_segments, k_first,
-                        k_last, log8, buf, buf_stride);
-        for (int64_t r = 0; r < block_size; r++, s++) {
-            if (!valid[s]) continue;
-            for (int32_t j = 0; j < group; j++) {
+    for (int32_t j = 0; j < group * d_v; j++) acc[j] = 0.0f;
+    for (int64_t b = first_block; b < last_block; b++) {
+        const uint8_t *block = blocks + ids[b] * block_bytes, *seen = valid + b * block_size;
+        if (b + 1 < last_block) { /* the next block is elsewhere in the cache: its lines fetched meanwhile */
+            const uint8_t *next = blocks + ids[b + 1] * block_bytes;
+            for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(next + at);
+        }
+        int any = 0;
+        for (int64_t r = 0; r < block_size; r++) any |= seen[r];
+        if (!any) continue;
+        decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, buf, buf_stride);
+        for (int32_t j = 0; j < group; j++) {
+            float m = top[j];
+            for (int64_t r = 0; r < block_size; r++) {
+                if (!seen[r]) continue;
                 float dot = dot_product(qg + j * d_k, buf + r * buf_stride, d_k) * scaling;
-                scores[(s - s0) * group + j] = dot;
-                top[j] = dot > top[j] ? dot : top[j];
+                w[r * group + j] = dot;
+                m = dot > m ? dot : m;
+            }
+            if (m > top[j]) { /* a larger score: the sums so far rescaled to it */
+                float shrink = expf(top[j] - m); /* 0 before the first row */
+                total[j] *= shrink;
+                for (int32_t c = 0; c < d_v; c++) acc[j * d_v + c] *= shrink;
+                top[j] = m;
+            }
+            for (int64_t r = 0; r < block_size; r++) {
+                float e = seen[r] ? expf(w[r * group + j] - m) : 0.0f;
+                w[r * group + j] = e;
+                total[j] += e;
             }
         }
-    }
-    for (int32_t j = 0; j < group * d_v; j++) acc[j] = 0.0f;
-    for (int64_t b = first_block, s = s0; b < last_block; b++, s += block_size) {
-        decode_segments(blocks + ids[b] * block_size * row_bytes, row_bytes, block_size, v_segments, v_first,
-                        v_last, log8, buf, buf_stride);
-        float *w = scores + (s - s0) * group; /* the block's weights, in place of its scores */
-        for (int64_t r = 0; r < block_size; r++)
-            for (int32_t j = 0; j < group; j++) {
-                w[r * group + j] = valid[s + r] ? expf(w[r * group + j] - top[j]) : 0.0f;
-                total[j] += w[r * group + j];
-            }
+        decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, buf, buf_stride);
         for (int32_t j = 0; j < group; j++) {
             /* Sixteen dims of the sum at a time over the block's rows, as one vector (GCC's vector types: one
              * AVX-512 register, two AVX2 ones), which stays in a register for the whole block. */
@@ -295,11 +307,11 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
             for (; c + 16 <= d_v; c += 16) {
                 f32x16 part = load16(aj + c);
                 for (int64_t r = 0; r < block_size; r++)
-                    if (valid[s + r]) part += w[r * group + j] * load16(buf + r * buf_stride + c);
+                    if (seen[r]) part += w[r * group + j] * load16(buf + r * buf_stride + c);
                 store16(aj + c, part); /* an unwritten row may hold NaN bytes: never multiplied */
             }
             for (int64_t r = 0; r < block_size; r++) {
-                if (!valid[s + r]) continue;
+                if (!seen[r]) continue;
                 for (int32_t cc = c; cc < d_v; cc++) aj[cc] += w[r * group + j] * buf[r * buf_stride + cc];
             }
         }
@@ -332,7 +344,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
     {
         int64_t buf_stride = (widest + 15) / 16 * 16; /* rows of the decoded block 64-byte aligned */
         float *buf = aligned_alloc(64, sizeof(float) * (size_t)(block_size * buf_stride));
-        float *scores = malloc(sizeof(float) * (size_t)(per_part * block_size * group));
+        float *scores = malloc(sizeof(float) * (size_t)(block_size * group));
         if (!buf || !scores) {
             failed = 1;
         } else {
@@ -349,8 +361,8 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
                 }
                 attend(blocks, block_ids + n * n_blocks, b0, b1, block_size, valid + n * n_blocks * block_size,
                        row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
-                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, buf, buf_stride, scores, acc,
-                       top, total);
+                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, buf, buf_stride,
+                       scores, acc, top, total);
             }
         }
         free(buf);

@@ -3,9 +3,11 @@
 Per layer (row vectors; the same algebra as kvfold_runtime.hf.attention):
   q = RoPE(norm(x W_q)) A_h,  k' = RoPE(norm(x W_k)) B_g,  v' = x W_v',  out = Σ_h attn_h(q, k', v') W_O'^h
 vLLM's own rotary embedding runs first; the post-RoPE projections A (`kvfold_q_post`, [d, Σ_h d_k(g(h))])
-and B (`kvfold_k_post`, [d, Σ_g d_k]) are held block-diagonally ([H·d, Σ_h d_k(g(h))] and
-[H_kv·d, Σ_g d_k]) so each is one matmul on vLLM's flat [T, H·d] query and [T, H_kv·d] key; the
-checkpoint's compact tensors are scattered into the blocks by their weight loaders.
+and B (`kvfold_k_post`, [d, Σ_g d_k]) are held one block per head ([H, d, widest] and [H_kv, d, widest],
+narrower heads zero-padded), each applied as one batched product over vLLM's [T, H, d] query and key, then
+packed to the heads' widths: a block-diagonal matmul did H times the work (SmolLM2: 9×, most of a decode
+step's non-attention time outside the model's own matmuls). The weight loaders cut the checkpoint's compact
+tensors into the blocks.
 
 Tensor parallelism splits the layer by KV head (kvfold_runtime.sharding): each rank builds the attention of
 its own heads — H/size query heads, H_kv/size KV heads, its share of v_proj's rows and o_proj's columns, its
@@ -34,7 +36,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import KVQuantMode
 
 from kvfold_runtime.format import K_POST, Q_POST, LayerDims, head_dim, model_dims
-from kvfold_runtime.sharding import LayerShard, shard_layer
+from kvfold_runtime.sharding import LayerShard, post_rope, shard_layer
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
 from kvfold_runtime.vllm.errors import refuse
 
@@ -146,13 +148,16 @@ class KVFoldVllmAttention(nn.Module):
             self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = get_rope(d, max_position=max_position_embeddings,
                                    rope_parameters=getattr(config, "rope_parameters", None), is_neox_style=True)
-        # block-diagonal over this rank's heads: one matmul on vLLM's flat [T, heads · d] queries and keys
-        for name, shape, width, take in (
-                (Q_POST, (self.q_full, dims.q_width), shard.source.q_width, shard.q_post),
-                (K_POST, (self.k_full, sum(dims.d_k)), sum(shard.source.d_k), shard.k_post)):
-            post = nn.Parameter(torch.zeros(shape), requires_grad=False)
+        # one block per head of this rank: a batched product on vLLM's [T, heads, d] queries and keys
+        for name, heads, widths, width, take, columns in (
+                (Q_POST, self.q_full // d, [w for w in dims.d_k for _ in range(dims.group)], shard.source.q_width,
+                 shard.q_post, shard.q_post_columns()),
+                (K_POST, self.k_full // d, list(dims.d_k), sum(shard.source.d_k), shard.k_post,
+                 shard.k_post_columns())):
+            post = nn.Parameter(torch.zeros(heads, d, max(widths)), requires_grad=False)
             post.weight_loader = _post_rope_loader(d, width, take)
             self.register_parameter(name, post)
+            self.register_buffer(f"{name}_columns", columns, persistent=False)
         sliding_window = None
         if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
             sliding_window = config.sliding_window
@@ -169,8 +174,8 @@ class KVFoldVllmAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
-        q = q @ getattr(self, Q_POST)  # [T, Σ_h d_k(g(h))]
-        k = k @ getattr(self, K_POST)  # [T, Σ_g d_k]
+        q = post_rope(q, getattr(self, Q_POST), getattr(self, f"{Q_POST}_columns"))  # [T, Σ_h d_k(g(h))]
+        k = post_rope(k, getattr(self, K_POST), getattr(self, f"{K_POST}_columns"))  # [T, Σ_g d_k]
         out = self.attn(q, k, v)  # [T, Σ_h d_v(g(h))]
         out, _ = self.o_proj(out)
         return out
