@@ -131,11 +131,13 @@ def _banded(d_k, d_v, group) -> LayerDims:
 @pytest.mark.parametrize("widths", list(WIDTHS.values()), ids=list(WIDTHS))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("reader", ["c", "c-scalar", "torch"])
-def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window, reader, monkeypatch):
+@pytest.mark.parametrize("bs", [4, 16])
+def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window, reader, bs, monkeypatch):
     """A bits-format layer's paged cache: uint8 rows of exactly LayerDims.row_bytes() = the export's bytes per
     token, each encode_heads(keys) ++ encode_heads(values); attention over it (decodes, a prefill, a chunked
     prefill) = the reference on decode_heads of those rows. Decodes read the codes in C (cpu_bits.c, where a
-    compiler runs) or decode the rows in torch (`reader`); rows not written hold NaN bytes either way."""
+    compiler runs) or decode the rows in torch (`reader`); rows not written hold NaN bytes either way. Blocks of 16
+    rows take the C reader's sixteen-row vector loops (vLLM's CPU block size is larger still)."""
     if reader == "torch":
         monkeypatch.setattr(paged_module, "library", lambda: None)
         monkeypatch.setattr(cpu_bits, "library", lambda: None)
@@ -144,12 +146,12 @@ def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(width
         if cpu_bits.library() is None:
             pytest.skip("no C compiler on this machine")
     d_k, d_v = widths
-    group, bs = 2, 4
+    group = 2
     dims = _banded(d_k, d_v, group)
     codec = row_codec(dims)
     assert isinstance(codec, BandRows)
     k_bytes, v_bytes = dims.row_bytes()
-    seq_lens, q_lens = [9, 1, 7, 13], [1, 1, 7, 4]
+    seq_lens, q_lens = [9, 1, 7, 13, 45], [1, 1, 7, 4, 1]
     g = torch.Generator().manual_seed(5)
     n_blocks = sum((s + bs - 1) // bs for s in seq_lens)
     order = torch.randperm(n_blocks + 2, generator=g)[:n_blocks] + 1

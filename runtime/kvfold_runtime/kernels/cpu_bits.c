@@ -65,6 +65,15 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
     (void)G, (void)GB;
     const uint64_t spread = 0x0101010101010101ull * mask; /* the low `bits` bits of each byte */
     const __m256 vo = _mm256_set1_ps(offset), vs = _mm256_set1_ps(s);
+#ifdef __AVX512F__
+    const __m512 vo16 = _mm512_set1_ps(offset), vs16 = _mm512_set1_ps(s);
+    for (; i + 16 <= n; i += 16, codes += 2 * bits) { /* sixteen at a time where vectors are that wide */
+        uint64_t lo = load_le(codes, bits), hi = load_le(codes + bits, bits);
+        if (bits != 8) lo = _pdep_u64(lo, spread), hi = _pdep_u64(hi, spread);
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)hi, (long long)lo)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_add_ps(v, vo16), vs16));
+    }
+#endif
     for (; i + 8 <= n; i += 8, codes += bits) {
         uint64_t w = load_le(codes, bits); /* in registers: a memcpy into w stalls store-to-load forwarding */
         if (bits != 8) w = _pdep_u64(w, spread);
@@ -226,23 +235,48 @@ static inline f32x16 load16(const float *p) {
 }
 static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
 
-/* Sixteen partial sums in one vector (lanes of its own, so no reordering of a sum is asked of the compiler),
- * added up as a tree. */
+/* e^x of sixteen x ≤ 0 at once (Cephes' expf: e^x = 2^n · e^r, |r| ≤ ln2/2, a degree-6 polynomial, ~2 ulp;
+ * below −87 the result is ~1e-38 instead of smaller: a weight nothing adds up to). glibc's expf one at a
+ * time was a sixth of the decode attention's time. */
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+static inline f32x16 exp16(f32x16 x) {
+    i32x16 low = x < -87.0f;
+    x = (f32x16)((low & (i32x16)(x * 0.0f - 87.0f)) | (~low & (i32x16)x));
+    f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): add and take 2^23·1.5 */
+    f32x16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    f32x16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return p * (f32x16)two_n;
+}
+
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-static inline float dot_product(const float *a, const float *b, int32_t n) {
-    f32x16 part = {0};
-    int32_t c = 0;
-    for (; c + 16 <= n; c += 16) part += load16(a + c) * load16(b + c);
+
+/* The sum of a vector's sixteen lanes, as a tree. */
+static inline float sum16(f32x16 v) {
     f32x8 lo, hi;
-    memcpy(&lo, &part, sizeof lo);
-    memcpy(&hi, (const char *)&part + sizeof lo, sizeof hi);
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
     lo += hi;
     f32x4 l4, h4;
     memcpy(&l4, &lo, sizeof l4);
     memcpy(&h4, (const char *)&lo + sizeof l4, sizeof h4);
     l4 += h4;
-    float sum = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+    return (l4[0] + l4[2]) + (l4[1] + l4[3]);
+}
+
+/* Sixteen partial sums in one vector (lanes of its own, so no reordering of a sum is asked of the compiler). */
+static inline float dot_product(const float *a, const float *b, int32_t n) {
+    f32x16 part = {0};
+    int32_t c = 0;
+    for (; c + 16 <= n; c += 16) part += load16(a + c) * load16(b + c);
+    float sum = sum16(part);
     for (; c < n; c++) sum += a[c] * b[c];
     return sum;
 }
@@ -264,7 +298,7 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                    float *buf, int64_t buf_stride, float *w, float *acc, float *top, float *total) {
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
      * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
-     * keys (then values) are decoded at once into buf [block_size, buf_stride]; w [block_size, group]. */
+     * keys (then values) are decoded at once into buf [block_size, buf_stride]; w [group, block_size]. */
     const int64_t block_bytes = block_size * row_bytes;
     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
     for (int32_t j = 0; j < group * d_v; j++) acc[j] = 0.0f;
@@ -283,7 +317,7 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
             for (int64_t r = 0; r < block_size; r++) {
                 if (!seen[r]) continue;
                 float dot = dot_product(qg + j * d_k, buf + r * buf_stride, d_k) * scaling;
-                w[r * group + j] = dot;
+                w[j * block_size + r] = dot;
                 m = dot > m ? dot : m;
             }
             if (m > top[j]) { /* a larger score: the sums so far rescaled to it */
@@ -292,9 +326,18 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                 for (int32_t c = 0; c < d_v; c++) acc[j * d_v + c] *= shrink;
                 top[j] = m;
             }
-            for (int64_t r = 0; r < block_size; r++) {
-                float e = seen[r] ? expf(w[r * group + j] - m) : 0.0f;
-                w[r * group + j] = e;
+            int64_t r = 0;
+            for (; r + 16 <= block_size; r += 16) { /* sixteen rows' weights at once; rows not seen weigh 0 */
+                u8x16 seen16;
+                memcpy(&seen16, seen + r, sizeof seen16);
+                i32x16 keep = __builtin_convertvector(seen16, i32x16) != 0;
+                f32x16 e = (f32x16)((i32x16)exp16(load16(w + j * block_size + r) - m) & keep);
+                store16(w + j * block_size + r, e);
+                total[j] += sum16(e);
+            }
+            for (; r < block_size; r++) {
+                float e = seen[r] ? expf(w[j * block_size + r] - m) : 0.0f;
+                w[j * block_size + r] = e;
                 total[j] += e;
             }
         }
@@ -307,18 +350,18 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
             for (; c + 16 <= d_v; c += 16) {
                 f32x16 part = load16(aj + c);
                 for (int64_t r = 0; r < block_size; r++)
-                    if (seen[r]) part += w[r * group + j] * load16(buf + r * buf_stride + c);
+                    if (seen[r]) part += w[j * block_size + r] * load16(buf + r * buf_stride + c);
                 store16(aj + c, part); /* an unwritten row may hold NaN bytes: never multiplied */
             }
             for (int64_t r = 0; r < block_size; r++) {
                 if (!seen[r]) continue;
-                for (int32_t cc = c; cc < d_v; cc++) aj[cc] += w[r * group + j] * buf[r * buf_stride + cc];
+                for (int32_t cc = c; cc < d_v; cc++) aj[cc] += w[j * block_size + r] * buf[r * buf_stride + cc];
             }
         }
     }
 }
 
-/* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 4 per thread (a short
+/* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 16 per thread (a short
  * batch of long contexts), each one's blocks are split in parts that are summed afterwards, flash-decoding's
  * way (the parts' sums rescaled to the largest score). Returns 0, or -1 when out of memory. */
 int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
@@ -333,7 +376,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
         q_width += group * d_k[g];
         o_width += group * d_v[g];
     }
-    int64_t heads = n_req * n_kv, want = 4 * (int64_t)omp_get_max_threads();
+    int64_t heads = n_req * n_kv, want = 16 * (int64_t)omp_get_max_threads();
     int64_t parts = heads >= want ? 1 : (want + heads - 1) / heads;
     parts = parts > n_blocks ? n_blocks : (parts < 1 ? 1 : parts);
     int64_t per_part = (n_blocks + parts - 1) / parts, stride = (int64_t)group * (widest + 2);
