@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from kvfold_runtime.bands import Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
-__all__ = ["decode_attention_c", "decode_rows_c", "encode_rows_c", "library"]
+__all__ = ["decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -55,7 +56,7 @@ def _cache_dir() -> Path:
 def library() -> ctypes.CDLL | None:
     """The built decoder, or None (no compiler, a failed build, KVFOLD_CPU_DECODER=torch). KVFOLD_CPU_DECODER=
     c-scalar builds it without its vector loops (AVX2 + BMI2), as on a CPU without them (the tests run both)."""
-    choice = os.environ.get("KVFOLD_CPU_DECODER", "c")
+    choice = os.environ.get("KVFOLD_CPU_DECODER") or "c"
     if choice == "torch" or not sys.platform.startswith("linux"):
         return None
     return _build(("-DKVFOLD_SCALAR",) if choice == "c-scalar" else ())
@@ -131,6 +132,54 @@ def _segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> t
     return seg
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """A bits layer's arguments to cpu_bits.c, made once per LayerDims object: a decode step calls every layer,
+    and hashing a layer's nested bands again on each call cost more than the C call itself at batch 1."""
+
+    key_bytes: int
+    value_bytes: int
+    k_rows: torch.Tensor  # whole-row segments of the keys (encode), of the values
+    v_rows: torch.Tensor
+    k_heads: tuple[torch.Tensor, torch.Tensor]  # per-head segments and each head's first (decode attention)
+    v_heads: tuple[torch.Tensor, torch.Tensor]
+    d_k: torch.Tensor  # int32
+    d_v: torch.Tensor
+    log8: torch.Tensor
+    out_width: int  # group · Σ d_v: decode attention's output per request
+
+
+_layers: dict[int, tuple[LayerDims, _Layer]] = {}
+
+
+def _layer(dims: LayerDims) -> _Layer:
+    hit = _layers.get(id(dims))
+    if hit is not None and hit[0] is dims:  # the very object (an id may be reused once it is gone)
+        return hit[1]
+    key_bytes, value_bytes = dims.row_bytes()
+    d_k, k_bands, d_v, v_bands = tuple(dims.d_k), tuple(dims.k_bands), tuple(dims.d_v), tuple(dims.v_bands)
+    layer = _Layer(key_bytes, value_bytes, _segments(d_k, k_bands), _segments(d_v, v_bands),
+                   _head_segments(d_k, k_bands, 0), _head_segments(d_v, v_bands, key_bytes),
+                   torch.tensor(d_k, dtype=torch.int32), torch.tensor(d_v, dtype=torch.int32), log8_scales("cpu"),
+                   dims.group * sum(d_v))
+    _layers[id(dims)] = (dims, layer)
+    return layer
+
+
+def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> torch.Tensor:
+    """k [N, Σ d_k], v [N, Σ d_v] on the CPU -> a bits layer's rows [N, key bytes + value bytes] uint8 (each
+    encode_heads(k) ++ encode_heads(v)), written in place. library() must not be None."""
+    lay, lib = _layer(dims), library()
+    rows = torch.empty(k.shape[0], lay.key_bytes + lay.value_bytes, dtype=torch.uint8)
+    for x, seg, at in ((k, lay.k_rows, 0), (v, lay.v_rows, lay.key_bytes)):
+        x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        lib.kvfold_encode_rows(x.data_ptr(), x.shape[0], x.stride(0), seg.data_ptr(), seg.shape[0],
+                               lay.log8.data_ptr(), rows.data_ptr() + at, rows.stride(0))
+    return rows
+
+
 def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
     """rows [..., row bytes] uint8 on the CPU -> [..., Σ widths] float32 (decode_heads' values). library() must
     not be None."""
@@ -172,20 +221,17 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     values' bytes), block_ids [N, B] the blocks each request reads, valid [N, B·block_size] the rows it sees
     -> [N, Σ_h d_v(g(h))] float32: attention over decode_heads' values up to float32 round-off
     (torch_decode.packed_decode's contract). library() must not be None; group ≤ 64."""
-    lib = library()
+    lib, lay = library(), _layer(dims)
     n, b = block_ids.shape
-    key_bytes = dims.row_bytes()[0]
-    k_seg, k_first = _head_segments(tuple(dims.d_k), tuple(dims.k_bands), 0)
-    v_seg, v_first = _head_segments(tuple(dims.d_v), tuple(dims.v_bands), key_bytes)
-    d_k, d_v = torch.tensor(dims.d_k, dtype=torch.int32), torch.tensor(dims.d_v, dtype=torch.int32)
+    (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
     assert blocks.is_contiguous() and blocks.dtype == torch.uint8
     ids, q = block_ids.long().contiguous(), q.float().contiguous()
     valid = valid.contiguous().view(torch.uint8)
-    out = q.new_empty(n, dims.group * sum(dims.d_v))
+    out = q.new_empty(n, lay.out_width)
     failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
                                          blocks.shape[2], q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
-                                         d_k.data_ptr(), d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
-                                         v_seg.data_ptr(), v_first.data_ptr(), log8_scales("cpu").data_ptr(), scaling)
+                                         lay.d_k.data_ptr(), lay.d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
+                                         v_seg.data_ptr(), v_first.data_ptr(), lay.log8.data_ptr(), scaling)
     if failed:
         raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
     return out

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.cpu_bits import decode_attention_c, encode_rows_c, library
+from kvfold_runtime.kernels.cpu_bits import decode_attention_c, encode_layer_rows_c, library
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
@@ -88,11 +88,7 @@ class BandRows:
         assert cache_dtype == torch.uint8, "a bits-format layer's cache holds bytes"
         d = self.dims  # encode_heads' bytes: in C where it builds (straight into the row's halves), else table-driven
         if k.device.type == "cpu" and library() is not None:
-            key_bytes, value_bytes = d.row_bytes()
-            rows = torch.empty(k.shape[0], key_bytes + value_bytes, dtype=torch.uint8)
-            encode_rows_c(k, tuple(d.d_k), tuple(d.k_bands), rows[:, :key_bytes])
-            encode_rows_c(v, tuple(d.d_v), tuple(d.v_bands), rows[:, key_bytes:])
-            return rows
+            return encode_layer_rows_c(k, v, d)
         return torch.cat([encode_rows(k, d.d_k, d.k_bands), encode_rows(v, d.d_v, d.v_bands)], -1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
