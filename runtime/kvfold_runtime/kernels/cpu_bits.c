@@ -1,6 +1,7 @@
-/* Band codes read back on a CPU: kvfold_runtime.bands.decode_heads' values, band by band, every bit width a
- * loop of its own with the width a constant, so the compiler unrolls the shifts of a group of codes and
- * vectorises the conversions (kernels/cpu_bits.py builds this once per machine and calls it through ctypes).
+/* Band codes on a CPU: kvfold_runtime.bands.decode_heads' values, band by band, every bit width a loop of its
+ * own with the width a constant (vector loops where the CPU has AVX2 + BMI2); encode_heads' bytes; and decode
+ * attention read from a paged cache's codes (kernels/cpu_bits.py builds this once per machine and calls it
+ * through ctypes).
  *
  * A row holds, per head, its bands' codes (byte-aligned per band, little-endian bit stream, first dim in the
  * lowest bits) and then one scale per quantized band (kvfold_runtime/bands.py). The caller describes the row
