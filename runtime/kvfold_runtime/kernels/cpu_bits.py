@@ -1,7 +1,7 @@
-"""The CPU codec of band codes in C (cpu_bits.c): decode_heads' values, encode_heads' bytes, and decode attention
-read straight from a paged cache's codes; built once per machine with the C compiler inductor also uses, called through ctypes
-(no Python extension build, no torch headers: a 2-second compile). Its loops run on torch's own OpenMP threads:
-built with -fopenmp, it links libgomp.so.1, which the process has already loaded for torch (one runtime, one
+"""The CPU codec of band codes in C (cpu_bits.c): decode_heads' values, encode_heads' bytes, and decode attention read
+straight from a paged cache's codes; built once per machine with the C compiler inductor also uses, called through
+ctypes (no Python extension build, no torch headers: a 2-second compile). Its loops run on torch's own OpenMP
+threads: built with -fopenmp, it links libgomp.so.1, which the process has already loaded for torch (one runtime, one
 thread pool; Python threads here instead lost their cores to torch's threads spinning after each matmul).
 
 Why C: the table-driven decoder (torch_bits._decode) reads every dim's bytes through index tables, which
