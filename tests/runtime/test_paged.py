@@ -193,3 +193,29 @@ def test_bits_rows_are_written_from_the_model_dtype_and_padding_slots_are_skippe
     assert not rows[[0, 1, 3, 4, 6, 7]].any()
     got_k, got_v = BandRows(dims).decode(rows[[5]], torch.bfloat16)
     assert got_k.dtype == got_v.dtype == torch.bfloat16 and got_k.shape == (1, 9) and got_v.shape == (1, 13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("reader", ["c", "c-scalar"])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_rank_cache_decodes_read_its_numbers_in_c(dtype, window, reader, bs, monkeypatch):
+    """A rank-format layer's cache (its numbers in the model's dtype): decode attention reads the blocks in C
+    (cpu_bits.c's plain-number segments) and equals the reference on the stored numbers; prefills take torch's
+    SDPA. Unwritten rows hold NaN and are never read."""
+    monkeypatch.setenv("KVFOLD_CPU_DECODER", reader)
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
+    d_k, d_v = WIDTHS["uneven, d_k != d_v"]
+    group = 3
+    seq_lens, q_lens = [9, 1, 7, 13, 45], [1, 1, 7, 4, 1]
+    kv, table, lens, start, q, seqs, queries = _case(d_k, d_v, group, seq_lens, q_lens, block_size=bs, dtype=dtype)
+    codec = row_codec(LayerDims(tuple(d_k), tuple(d_v), group))
+    assert paged_module._reads_in_c(codec, q, kv.view(kv.shape[0], bs, -1))
+    got = paged(q, kv, table, lens, start, d_k, d_v, group, scaling=0.3, sliding_window=window, codec=codec)
+    assert got.dtype == dtype and not got.isnan().any()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for r, ((k, v), qr) in enumerate(zip(seqs, queries, strict=True)):
+        want = reference_attention(qr[None].double(), k[None].double(), v[None].double(), d_k, d_v, group,
+                                   scaling=0.3, mask=_window_mask(q_lens[r], seq_lens[r], window))[0]
+        torch.testing.assert_close(got[start[r]:start[r + 1]].double(), want, rtol=tol, atol=tol)

@@ -7,8 +7,10 @@
  * lowest bits) and then one scale per quantized band (kvfold_runtime/bands.py). The caller describes the row
  * once per layer as segments of six int32s:
  *     out_at  first output number          n      numbers
- *     bits    0 (zeros), 2..8, or 16 (float16 values)
+ *     bits    0 (zeros), 2..8, 16 (float16 values), 32 (float32 values)
  *     code_at its band's first code byte  scale_at its scale's byte     scale_kind 1 log8, 2 float16
+ * (scale_kind 3 with bits 16: bfloat16 values.) The plain-number segments let decode attention also read a
+ * rank-format layer's rows, its numbers in the model's dtype (one segment per head's keys, one per its values).
  * A b-bit code is x = (q + 1/2 - 2^(b-1)) * s in float32, computed as torch does (an add, then a multiply:
  * built with -ffp-contract=off, so no fused multiply-add changes a rounding).
  */
@@ -123,8 +125,15 @@ static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int6
     }
         switch (bits) { /* constant widths: each case compiles to its own unrolled loop */
         case 16:
-            ROWS(for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
+            if (kind == 3) /* bfloat16: the top half of a float32 */
+                ROWS(for (int i = 0; i < n; i++) {
+                    uint32_t b = (uint32_t)(src[2 * i] | (src[2 * i + 1] << 8)) << 16;
+                    memcpy(dst + i, &b, 4);
+                })
+            else
+                ROWS(for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
             break;
+        case 32: ROWS(memcpy(dst, src, sizeof(float) * (size_t)n)); break;
         case 2: ROWS(band(src, n, dst, s, 2, 4, 1)); break;
         case 3: ROWS(band(src, n, dst, s, 3, 8, 3)); break;
         case 4: ROWS(band(src, n, dst, s, 4, 2, 1)); break;
@@ -272,16 +281,6 @@ static inline float sum16(f32x16 v) {
     return (l4[0] + l4[2]) + (l4[1] + l4[3]);
 }
 
-/* Sixteen partial sums in one vector (lanes of its own, so no reordering of a sum is asked of the compiler). */
-static inline float dot_product(const float *a, const float *b, int32_t n) {
-    f32x16 part = {0};
-    int32_t c = 0;
-    for (; c + 16 <= n; c += 16) part += load16(a + c) * load16(b + c);
-    float sum = sum16(part);
-    for (; c < n; c++) sum += a[c] * b[c];
-    return sum;
-}
-
 /* Decode attention read straight from the paged cache's codes: for each request n and KV head g, the group's
  * query heads attend over the request's S = B * block_size rows (block b of
  * request n is blocks[block_ids[n, b]], a block holds block_size rows of row_bytes; valid [N, S]) without writing
@@ -296,13 +295,25 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                    int64_t block_size, const uint8_t *valid, int64_t row_bytes, const float *qg, int32_t group,
                    int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
                    const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
-                   float *buf, int64_t buf_stride, float *w, float *acc, float *top, float *total) {
+                   float *kbuf, float *vbuf, int64_t stride, float *qpad, float *w, float *accpad, float *acc,
+                   float *top, float *total) {
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
      * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
-     * keys (then values) are decoded at once into buf [block_size, buf_stride]; w [group, block_size]. */
+     * keys (values) are decoded at once into kbuf (vbuf) [block_size, stride]; w [group, block_size].
+     * Every product runs over whole sixteen-float vectors: the widths rounded up to 16 (kp, vp), the queries'
+     * copy qpad [group, kp] and kbuf's columns [d_k, kp) zero (a decode writes [0, d_k) only; a wider head may
+     * have left numbers there, NaN from an unwritten row among them, and 0 · NaN is NaN), the sums kept at the
+     * padded width in accpad [group, vp] (its columns past d_v, whatever vbuf held there, are dropped). An
+     * export's widths are uneven (58, 47, 31, ...): a scalar tail per row cost more than the vectors before it. */
     const int64_t block_bytes = block_size * row_bytes;
-    for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
-    for (int32_t j = 0; j < group * d_v; j++) acc[j] = 0.0f;
+    const int32_t kp = (d_k + 15) / 16 * 16, vp = (d_v + 15) / 16 * 16;
+    for (int32_t j = 0; j < group; j++) {
+        top[j] = -INFINITY, total[j] = 0.0f;
+        for (int32_t c = 0; c < kp; c++) qpad[j * kp + c] = c < d_k ? qg[j * d_k + c] * scaling : 0.0f;
+        for (int32_t c = 0; c < vp; c++) accpad[j * vp + c] = 0.0f;
+    }
+    if (kp > d_k)
+        for (int64_t r = 0; r < block_size; r++) memset(kbuf + r * stride + d_k, 0, sizeof(float) * (size_t)(kp - d_k));
     for (int64_t b = first_block; b < last_block; b++) {
         const uint8_t *block = blocks + ids[b] * block_bytes, *seen = valid + b * block_size;
         if (b + 1 < last_block) { /* the next block is elsewhere in the cache: its lines fetched meanwhile */
@@ -312,19 +323,23 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         int any = 0;
         for (int64_t r = 0; r < block_size; r++) any |= seen[r];
         if (!any) continue;
-        decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, buf, buf_stride);
+        decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, stride);
         for (int32_t j = 0; j < group; j++) {
             float m = top[j];
+            const float *qj = qpad + j * kp;
             for (int64_t r = 0; r < block_size; r++) {
                 if (!seen[r]) continue;
-                float dot = dot_product(qg + j * d_k, buf + r * buf_stride, d_k) * scaling;
+                const float *kr = kbuf + r * stride;
+                f32x16 part = {0};
+                for (int32_t c = 0; c < kp; c += 16) part += load16(qj + c) * load16(kr + c);
+                float dot = sum16(part);
                 w[j * block_size + r] = dot;
                 m = dot > m ? dot : m;
             }
             if (m > top[j]) { /* a larger score: the sums so far rescaled to it */
                 float shrink = expf(top[j] - m); /* 0 before the first row */
                 total[j] *= shrink;
-                for (int32_t c = 0; c < d_v; c++) acc[j * d_v + c] *= shrink;
+                for (int32_t c = 0; c < vp; c += 16) store16(accpad + j * vp + c, load16(accpad + j * vp + c) * shrink);
                 top[j] = m;
             }
             int64_t r = 0;
@@ -342,24 +357,21 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                 total[j] += e;
             }
         }
-        decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, buf, buf_stride);
+        decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, stride);
         for (int32_t j = 0; j < group; j++) {
             /* Sixteen dims of the sum at a time over the block's rows, as one vector (GCC's vector types: one
              * AVX-512 register, two AVX2 ones), which stays in a register for the whole block. */
-            float *aj = acc + j * d_v;
-            int32_t c = 0;
-            for (; c + 16 <= d_v; c += 16) {
+            float *aj = accpad + j * vp;
+            for (int32_t c = 0; c < vp; c += 16) {
                 f32x16 part = load16(aj + c);
                 for (int64_t r = 0; r < block_size; r++)
-                    if (seen[r]) part += w[j * block_size + r] * load16(buf + r * buf_stride + c);
+                    if (seen[r]) part += w[j * block_size + r] * load16(vbuf + r * stride + c);
                 store16(aj + c, part); /* an unwritten row may hold NaN bytes: never multiplied */
-            }
-            for (int64_t r = 0; r < block_size; r++) {
-                if (!seen[r]) continue;
-                for (int32_t cc = c; cc < d_v; cc++) aj[cc] += w[j * block_size + r] * buf[r * buf_stride + cc];
             }
         }
     }
+    for (int32_t j = 0; j < group; j++)
+        for (int32_t c = 0; c < d_v; c++) acc[j * d_v + c] = accpad[j * vp + c];
 }
 
 /* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 16 per thread (a short
@@ -386,10 +398,13 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
     /* torch's own OpenMP threads (the same libgomp.so.1 is loaded once per process), one buffer set each */
 #pragma omp parallel reduction(| : failed)
     {
-        int64_t buf_stride = (widest + 15) / 16 * 16; /* rows of the decoded block 64-byte aligned */
-        float *buf = aligned_alloc(64, sizeof(float) * (size_t)(block_size * buf_stride));
+        /* the decoded block's rows: 64-byte aligned, each `padded` floats (the widest head rounded up to 16) */
+        int64_t padded = (widest + 15) / 16 * 16, buf_floats = block_size * padded;
+        float *kbuf = aligned_alloc(64, sizeof(float) * (size_t)(2 * buf_floats + 2 * group * padded));
+        float *vbuf = kbuf ? kbuf + buf_floats : NULL, *qpad = vbuf ? vbuf + buf_floats : NULL;
+        float *accpad = qpad ? qpad + group * padded : NULL;
         float *scores = malloc(sizeof(float) * (size_t)(block_size * group));
-        if (!buf || !scores) {
+        if (!kbuf || !scores) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)
@@ -405,11 +420,11 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
                 }
                 attend(blocks, block_ids + n * n_blocks, b0, b1, block_size, valid + n * n_blocks * block_size,
                        row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
-                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, buf, buf_stride,
-                       scores, acc, top, total);
+                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, kbuf, vbuf, padded,
+                       qpad, scores, accpad, acc, top, total);
             }
         }
-        free(buf);
+        free(kbuf);
         free(scores);
     }
     if (!failed) { /* the parts of each (request, KV head) summed: out = Σ acc·e^(top - m) / Σ total·e^(top - m) */

@@ -31,7 +31,7 @@ from kvfold_runtime.bands import Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
-__all__ = ["decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library"]
+__all__ = ["NUMBER_DTYPES", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -150,20 +150,41 @@ class _Layer:
     out_width: int  # group · Σ d_v: decode attention's output per request
 
 
-_layers: dict[int, tuple[LayerDims, _Layer]] = {}
+_layers: dict[tuple[int, torch.dtype], tuple[LayerDims, _Layer]] = {}
+
+# A rank-format row's numbers as cpu_bits.c reads them: (bits, scale_kind) of one number in the cache's dtype
+NUMBER_DTYPES = {torch.float32: (32, 0), torch.float16: (16, 0), torch.bfloat16: (16, 3)}
 
 
-def _layer(dims: LayerDims) -> _Layer:
-    hit = _layers.get(id(dims))
+def _number_heads(widths: tuple[int, ...], size: int, bits: int, kind: int,
+                  at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_head_segments' layout for plain numbers: one segment per head, its numbers `size` bytes each."""
+    starts = [0, *torch.tensor(widths).cumsum(0).tolist()]
+    rows = [(0, w, bits, at + size * s, 0, kind) for w, s in zip(widths, starts, strict=False)]
+    return (torch.tensor(rows, dtype=torch.int32).reshape(-1, 6),
+            torch.arange(len(widths) + 1, dtype=torch.int32))
+
+
+def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
+    """The layer's arguments: its band codes (a bits layer, uint8 cache), or its numbers in `cache_dtype` (a
+    rank layer: one of NUMBER_DTYPES)."""
+    hit = _layers.get((id(dims), cache_dtype))
     if hit is not None and hit[0] is dims:  # the very object (an id may be reused once it is gone)
         return hit[1]
-    key_bytes, value_bytes = dims.row_bytes()
     d_k, k_bands, d_v, v_bands = tuple(dims.d_k), tuple(dims.k_bands), tuple(dims.d_v), tuple(dims.v_bands)
-    layer = _Layer(key_bytes, value_bytes, _segments(d_k, k_bands), _segments(d_v, v_bands),
-                   _head_segments(d_k, k_bands, 0), _head_segments(d_v, v_bands, key_bytes),
-                   torch.tensor(d_k, dtype=torch.int32), torch.tensor(d_v, dtype=torch.int32), log8_scales("cpu"),
-                   dims.group * sum(d_v))
-    _layers[id(dims)] = (dims, layer)
+    if dims.banded:
+        assert cache_dtype == torch.uint8, "a bits layer's cache holds bytes"
+        key_bytes, value_bytes = dims.row_bytes()
+        k_rows, v_rows = _segments(d_k, k_bands), _segments(d_v, v_bands)
+        k_heads, v_heads = _head_segments(d_k, k_bands, 0), _head_segments(d_v, v_bands, key_bytes)
+    else:
+        size, (bits, kind) = cache_dtype.itemsize, NUMBER_DTYPES[cache_dtype]
+        key_bytes, value_bytes = size * sum(d_k), size * sum(d_v)
+        k_rows = v_rows = torch.empty(0, 6, dtype=torch.int32)  # nothing to encode: the rows are the numbers
+        k_heads, v_heads = _number_heads(d_k, size, bits, kind, 0), _number_heads(d_v, size, bits, kind, key_bytes)
+    layer = _Layer(key_bytes, value_bytes, k_rows, v_rows, k_heads, v_heads, torch.tensor(d_k, dtype=torch.int32),
+                   torch.tensor(d_v, dtype=torch.int32), log8_scales("cpu"), dims.group * sum(d_v))
+    _layers[(id(dims), cache_dtype)] = (dims, layer)
     return layer
 
 
@@ -217,20 +238,21 @@ def encode_rows_c(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[B
 
 def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor,
                        dims: LayerDims, *, scaling: float) -> torch.Tensor:
-    """Decode attention read from a bits layer's paged codes, no decoded copy of the cache and no gather of its
-    blocks: q [N, Σ_h d_k(g(h))], blocks [num_blocks, block_size, row bytes] uint8 (each row the keys' then the
-    values' bytes), block_ids [N, B] the blocks each request reads, valid [N, B·block_size] the rows it sees
-    -> [N, Σ_h d_v(g(h))] float32: attention over decode_heads' values up to float32 round-off
+    """Decode attention read from a layer's paged cache, no decoded copy of it and no gather of its blocks:
+    q [N, Σ_h d_k(g(h))], blocks [num_blocks, block_size, C] — a bits layer's uint8 rows of codes (the keys'
+    bytes, then the values'), or a rank layer's numbers (float32, float16 or bfloat16: keys, then values) —,
+    block_ids [N, B] the blocks each request reads, valid [N, B·block_size] the rows it sees
+    -> [N, Σ_h d_v(g(h))] float32: attention over decode_heads' values (or the numbers) up to float32 round-off
     (torch_decode.packed_decode's contract). library() must not be None; group ≤ 64."""
-    lib, lay = library(), _layer(dims)
+    lib, lay = library(), _layer(dims, blocks.dtype)
     n, b = block_ids.shape
     (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
-    assert blocks.is_contiguous() and blocks.dtype == torch.uint8
+    assert blocks.is_contiguous() and blocks.shape[2] * blocks.element_size() == lay.key_bytes + lay.value_bytes
     ids, q = block_ids.long().contiguous(), q.float().contiguous()
     valid = valid.contiguous().view(torch.uint8)
-    out = q.new_empty(n, lay.out_width)
+    out, row_bytes = q.new_empty(n, lay.out_width), lay.key_bytes + lay.value_bytes
     failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
-                                         blocks.shape[2], q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
+                                         row_bytes, q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
                                          lay.d_k.data_ptr(), lay.d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
                                          v_seg.data_ptr(), v_first.data_ptr(), lay.log8.data_ptr(), scaling)
     if failed:

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.cpu_bits import decode_attention_c, encode_layer_rows_c, library
+from kvfold_runtime.kernels.cpu_bits import NUMBER_DTYPES, decode_attention_c, encode_layer_rows_c, library
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
@@ -62,6 +62,7 @@ class NumberRows:
     fp8: torch.dtype | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    dims: LayerDims | None = None  # the layer's widths, where known: decode attention then reads the rows in C
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         if self.fp8 is None:
@@ -103,7 +104,7 @@ def row_codec(dims: LayerDims, fp8: torch.dtype | None = None, k_scale: float = 
     if dims.banded:
         assert fp8 is None, "band codes are not quantized again"
         return BandRows(dims)
-    return NumberRows(sum(dims.d_k), fp8, k_scale, v_scale)
+    return NumberRows(sum(dims.d_k), fp8, k_scale, v_scale, dims)
 
 
 def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -168,10 +169,13 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc
     return StepPlan(rows, blocks, valid, (~valid).view(-1).nonzero()[:, 0], prefills)
 
 
-def _reads_codes(codec: RowCodec, query: torch.Tensor, blocks: torch.Tensor) -> bool:
-    """Whether decode attention runs in C over a bits layer's codes (cpu_bits.decode_attention_c)."""
-    return (isinstance(codec, BandRows) and query.device.type == "cpu" and codec.dims.group <= 64
-            and blocks.is_contiguous() and library() is not None)
+def _reads_in_c(codec: RowCodec, query: torch.Tensor, blocks: torch.Tensor) -> bool:
+    """Whether decode attention runs in C straight from the blocks (cpu_bits.decode_attention_c): a bits layer's
+    codes, or a rank layer's numbers in the model's dtype (not fp8 codes), on a CPU where the library builds."""
+    readable = isinstance(codec, BandRows) or (isinstance(codec, NumberRows) and codec.fp8 is None
+                                               and codec.dims is not None and blocks.dtype in NUMBER_DTYPES)
+    return (readable and query.device.type == "cpu" and codec.dims.group <= 64 and blocks.is_contiguous()
+            and library() is not None)
 
 
 def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -190,7 +194,7 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Te
     if out is None:
         out = query.new_empty(query.shape[0], group * sum(d_v))
     if plan.decode_rows is not None:
-        if _reads_codes(codec, query, blocks):  # C: scores and sums straight from the blocks' codes, in place
+        if _reads_in_c(codec, query, blocks):  # C: scores and sums straight from the blocks, in place
             out[plan.decode_rows] = decode_attention_c(query[plan.decode_rows], blocks, plan.decode_blocks,
                                                        plan.decode_valid, codec.dims, scaling=scaling).to(out.dtype)
         else:
