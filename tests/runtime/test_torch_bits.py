@@ -4,6 +4,8 @@ formats — and encode_heads' bytes (every width, dims no band holds, rows of ze
 log8 range, compiled and eager); the paged torch path's per-step plan is made once per step and reused by the
 step's other layers."""
 
+import dataclasses
+import gc
 import shutil
 from pathlib import Path
 
@@ -129,3 +131,20 @@ def test_a_steps_plan_is_made_once_and_read_by_every_layer():
     assert torch.equal(first, dispatch.paged(*args, scaling=0.3, codec=codec))  # no plans kept: the same
     dispatch.paged(*args, scaling=0.3, codec=codec, plans=plans, sliding_window=5)
     assert set(plans) == {(bs, None), (bs, 5)}
+
+
+def test_a_layers_c_arguments_are_kept_while_its_dims_live():
+    """cpu_bits keeps a layer's C arguments per LayerDims object (hashing its bands per call was slower than the
+    call) — and drops them when that object goes, so layers made and dropped (tests, reloads) leave nothing."""
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
+    dims = dataclasses.replace(LAYERS["uneven"])  # an object of this test's own
+    k, v = torch.randn(5, sum(dims.d_k)), torch.randn(5, sum(dims.d_v))
+    rows = cpu_bits.encode_layer_rows_c(k, v, dims)
+    assert torch.equal(rows, torch.cat([encode_heads(k, dims.d_k, dims.k_bands),
+                                        encode_heads(v, dims.d_v, dims.v_bands)], -1))
+    key = (id(dims), torch.uint8)
+    assert cpu_bits._layers[key][1] is cpu_bits._layer(dims)
+    del dims
+    gc.collect()
+    assert key not in cpu_bits._layers

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,7 +151,9 @@ class _Layer:
     out_width: int  # group · Σ d_v: decode attention's output per request
 
 
-_layers: dict[tuple[int, torch.dtype], tuple[LayerDims, _Layer]] = {}
+# per (id of a LayerDims, cache dtype): a weak reference to that LayerDims (an id is reused once its object is
+# gone, and the entry is dropped then) and its arguments
+_layers: dict[tuple[int, torch.dtype], tuple[weakref.ref, _Layer]] = {}
 
 # A rank-format row's numbers as cpu_bits.c reads them: (bits, scale_kind) of one number in the cache's dtype
 NUMBER_DTYPES = {torch.float32: (32, 0), torch.float16: (16, 0), torch.bfloat16: (16, 3)}
@@ -168,8 +171,9 @@ def _number_heads(widths: tuple[int, ...], size: int, bits: int, kind: int,
 def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
     """The layer's arguments: its band codes (a bits layer, uint8 cache), or its numbers in `cache_dtype` (a
     rank layer: one of NUMBER_DTYPES)."""
-    hit = _layers.get((id(dims), cache_dtype))
-    if hit is not None and hit[0] is dims:  # the very object (an id may be reused once it is gone)
+    key = (id(dims), cache_dtype)
+    hit = _layers.get(key)
+    if hit is not None and hit[0]() is dims:
         return hit[1]
     d_k, k_bands, d_v, v_bands = tuple(dims.d_k), tuple(dims.k_bands), tuple(dims.d_v), tuple(dims.v_bands)
     if dims.banded:
@@ -184,21 +188,29 @@ def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
         k_heads, v_heads = _number_heads(d_k, size, bits, kind, 0), _number_heads(d_v, size, bits, kind, key_bytes)
     layer = _Layer(key_bytes, value_bytes, k_rows, v_rows, k_heads, v_heads, torch.tensor(d_k, dtype=torch.int32),
                    torch.tensor(d_v, dtype=torch.int32), log8_scales("cpu"), dims.group * sum(d_v))
-    _layers[(id(dims), cache_dtype)] = (dims, layer)
+    _layers[key] = (weakref.ref(dims), layer)
+    weakref.finalize(dims, _layers.pop, key, None)
     return layer
+
+
+def _encode(x: torch.Tensor, segments: torch.Tensor, rows: torch.Tensor) -> None:
+    """x [..., Σ widths] -> encode_heads' bytes into rows [N, its row bytes] (uint8, unit stride, any row stride:
+    e.g. one half of a wider row)."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    assert rows.shape[0] == flat.shape[0] and rows.stride(-1) == 1 and rows.dtype == torch.uint8
+    library().kvfold_encode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), segments.data_ptr(),
+                                 segments.shape[0], log8_scales("cpu").data_ptr(), rows.data_ptr(), rows.stride(0))
 
 
 def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> torch.Tensor:
     """k [N, Σ d_k], v [N, Σ d_v] on the CPU -> a bits layer's rows [N, key bytes + value bytes] uint8 (each
     encode_heads(k) ++ encode_heads(v)), written in place. library() must not be None."""
-    lay, lib = _layer(dims), library()
+    lay = _layer(dims)
     rows = torch.empty(k.shape[0], lay.key_bytes + lay.value_bytes, dtype=torch.uint8)
-    for x, seg, at in ((k, lay.k_rows, 0), (v, lay.v_rows, lay.key_bytes)):
-        x = x.float()
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        lib.kvfold_encode_rows(x.data_ptr(), x.shape[0], x.stride(0), seg.data_ptr(), seg.shape[0],
-                               lay.log8.data_ptr(), rows.data_ptr() + at, rows.stride(0))
+    _encode(k, lay.k_rows, rows[:, :lay.key_bytes])
+    _encode(v, lay.v_rows, rows[:, lay.key_bytes:])
     return rows
 
 
@@ -221,18 +233,12 @@ def encode_rows_c(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[B
     """x [..., Σ widths] on the CPU -> [..., row bytes] uint8 (bands.encode_heads' bytes), written into `out`
     (uint8, its last dim the row's bytes, unit stride: e.g. a column range of a wider row) when given. library()
     must not be None."""
-    lib = library()
-    flat = x.reshape(-1, x.shape[-1]).float()
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    seg = _segments(widths, bands)
     row_bytes = sum(b.code_bytes + b.scale_bytes for head in bands for b in head)
     if out is None:
         out = torch.empty(*x.shape[:-1], row_bytes, dtype=torch.uint8)
     rows = out if out.dim() == 2 else out.view(-1, out.shape[-1])
-    assert rows.shape == (flat.shape[0], row_bytes) and rows.stride(-1) == 1 and rows.dtype == torch.uint8
-    lib.kvfold_encode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), seg.data_ptr(), seg.shape[0],
-                           log8_scales("cpu").data_ptr(), rows.data_ptr(), rows.stride(0))
+    assert rows.shape[-1] == row_bytes
+    _encode(x, _segments(widths, bands), rows)
     return out
 
 
