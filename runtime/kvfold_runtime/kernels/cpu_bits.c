@@ -131,7 +131,8 @@ static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int6
                     memcpy(dst + i, &b, 4);
                 })
             else
-                ROWS(for (int i = 0; i < n; i++) dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
+                ROWS(for (int i = 0; i < n; i++)
+                         dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
             break;
         case 32: ROWS(memcpy(dst, src, sizeof(float) * (size_t)n)); break;
         case 2: ROWS(band(src, n, dst, s, 2, 4, 1)); break;
@@ -295,11 +296,11 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                    int64_t block_size, const uint8_t *valid, int64_t row_bytes, const float *qg, int32_t group,
                    int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
                    const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
-                   float *kbuf, float *vbuf, int64_t stride, float *qpad, float *w, float *accpad, float *acc,
+                   float *kbuf, float *vbuf, int64_t padded, float *qpad, float *w, float *accpad, float *acc,
                    float *top, float *total) {
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
      * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
-     * keys (values) are decoded at once into kbuf (vbuf) [block_size, stride]; w [group, block_size].
+     * keys (values) are decoded at once into kbuf (vbuf) [block_size, padded]; w [group, block_size].
      * Every product runs over whole sixteen-float vectors: the widths rounded up to 16 (kp, vp), the queries'
      * copy qpad [group, kp] and kbuf's columns [d_k, kp) zero (a decode writes [0, d_k) only; a wider head may
      * have left numbers there, NaN from an unwritten row among them, and 0 · NaN is NaN), the sums kept at the
@@ -313,7 +314,8 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         for (int32_t c = 0; c < vp; c++) accpad[j * vp + c] = 0.0f;
     }
     if (kp > d_k)
-        for (int64_t r = 0; r < block_size; r++) memset(kbuf + r * stride + d_k, 0, sizeof(float) * (size_t)(kp - d_k));
+        for (int64_t r = 0; r < block_size; r++)
+            memset(kbuf + r * padded + d_k, 0, sizeof(float) * (size_t)(kp - d_k));
     for (int64_t b = first_block; b < last_block; b++) {
         const uint8_t *block = blocks + ids[b] * block_bytes, *seen = valid + b * block_size;
         if (b + 1 < last_block) { /* the next block is elsewhere in the cache: its lines fetched meanwhile */
@@ -323,13 +325,13 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         int any = 0;
         for (int64_t r = 0; r < block_size; r++) any |= seen[r];
         if (!any) continue;
-        decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, stride);
+        decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, padded);
         for (int32_t j = 0; j < group; j++) {
             float m = top[j];
             const float *qj = qpad + j * kp;
             for (int64_t r = 0; r < block_size; r++) {
                 if (!seen[r]) continue;
-                const float *kr = kbuf + r * stride;
+                const float *kr = kbuf + r * padded;
                 f32x16 part = {0};
                 for (int32_t c = 0; c < kp; c += 16) part += load16(qj + c) * load16(kr + c);
                 float dot = sum16(part);
@@ -357,7 +359,7 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                 total[j] += e;
             }
         }
-        decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, stride);
+        decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, padded);
         for (int32_t j = 0; j < group; j++) {
             /* Sixteen dims of the sum at a time over the block's rows, as one vector (GCC's vector types: one
              * AVX-512 register, two AVX2 ones), which stays in a register for the whole block. */
@@ -365,7 +367,7 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
             for (int32_t c = 0; c < vp; c += 16) {
                 f32x16 part = load16(aj + c);
                 for (int64_t r = 0; r < block_size; r++)
-                    if (seen[r]) part += w[j * block_size + r] * load16(vbuf + r * stride + c);
+                    if (seen[r]) part += w[j * block_size + r] * load16(vbuf + r * padded + c);
                 store16(aj + c, part); /* an unwritten row may hold NaN bytes: never multiplied */
             }
         }

@@ -136,12 +136,13 @@ def _segments(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> t
 
 @dataclass(frozen=True)
 class _Layer:
-    """A bits layer's arguments to cpu_bits.c, made once per LayerDims object: a decode step calls every layer,
-    and hashing a layer's nested bands again on each call cost more than the C call itself at batch 1."""
+    """A layer's arguments to cpu_bits.c (a bits layer's bands, or a rank layer's plain numbers), made once per
+    LayerDims object and cache dtype: a decode step calls every layer, and hashing a layer's nested bands again on
+    each call cost more than the C call itself at batch 1."""
 
     key_bytes: int
     value_bytes: int
-    k_rows: torch.Tensor  # whole-row segments of the keys (encode), of the values
+    k_rows: torch.Tensor  # whole-row segments of the keys (encode; none for plain numbers), of the values
     v_rows: torch.Tensor
     k_heads: tuple[torch.Tensor, torch.Tensor]  # per-head segments and each head's first (decode attention)
     v_heads: tuple[torch.Tensor, torch.Tensor]
@@ -159,11 +160,11 @@ _layers: dict[tuple[int, torch.dtype], tuple[weakref.ref, _Layer]] = {}
 NUMBER_DTYPES = {torch.float32: (32, 0), torch.float16: (16, 0), torch.bfloat16: (16, 3)}
 
 
-def _number_heads(widths: tuple[int, ...], size: int, bits: int, kind: int,
+def _number_heads(widths: tuple[int, ...], offsets: tuple[int, ...], size: int, bits: int, kind: int,
                   at: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """_head_segments' layout for plain numbers: one segment per head, its numbers `size` bytes each."""
-    starts = [0, *torch.tensor(widths).cumsum(0).tolist()]
-    rows = [(0, w, bits, at + size * s, 0, kind) for w, s in zip(widths, starts, strict=False)]
+    """_head_segments' layout for plain numbers: one segment per head (its first number at `offsets`, from
+    LayerDims), its numbers `size` bytes each."""
+    rows = [(0, w, bits, at + size * o, 0, kind) for w, o in zip(widths, offsets, strict=True)]
     return (torch.tensor(rows, dtype=torch.int32).reshape(-1, 6),
             torch.arange(len(widths) + 1, dtype=torch.int32))
 
@@ -185,7 +186,8 @@ def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
         size, (bits, kind) = cache_dtype.itemsize, NUMBER_DTYPES[cache_dtype]
         key_bytes, value_bytes = size * sum(d_k), size * sum(d_v)
         k_rows = v_rows = torch.empty(0, 6, dtype=torch.int32)  # nothing to encode: the rows are the numbers
-        k_heads, v_heads = _number_heads(d_k, size, bits, kind, 0), _number_heads(d_v, size, bits, kind, key_bytes)
+        k_heads = _number_heads(d_k, dims.k_offsets, size, bits, kind, 0)
+        v_heads = _number_heads(d_v, dims.v_offsets, size, bits, kind, key_bytes)
     layer = _Layer(key_bytes, value_bytes, k_rows, v_rows, k_heads, v_heads, torch.tensor(d_k, dtype=torch.int32),
                    torch.tensor(d_v, dtype=torch.int32), log8_scales("cpu"), dims.group * sum(d_v))
     _layers[key] = (weakref.ref(dims), layer)
@@ -253,10 +255,11 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     lib, lay = library(), _layer(dims, blocks.dtype)
     n, b = block_ids.shape
     (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
-    assert blocks.is_contiguous() and blocks.shape[2] * blocks.element_size() == lay.key_bytes + lay.value_bytes
+    row_bytes = lay.key_bytes + lay.value_bytes
+    assert blocks.is_contiguous() and blocks.shape[2] * blocks.element_size() == row_bytes
     ids, q = block_ids.long().contiguous(), q.float().contiguous()
     valid = valid.contiguous().view(torch.uint8)
-    out, row_bytes = q.new_empty(n, lay.out_width), lay.key_bytes + lay.value_bytes
+    out = q.new_empty(n, lay.out_width)
     failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
                                          row_bytes, q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
                                          lay.d_k.data_ptr(), lay.d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
