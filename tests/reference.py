@@ -22,7 +22,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.hooks import AttentionPatch, patched
 from kvfold.rewrite.bake import make_projection
-from kvfold_runtime import K_POST, Q_POST
+from kvfold_runtime import K_POST, K_SHIFT, Q_POST
 
 __all__ = ["load_baked", "padded_forward"]
 
@@ -57,8 +57,11 @@ class _TrimIn(nn.Module):
 def _rope_patch(attn: nn.Module, dk_q: list[int], dk_kv: list[int], d: int) -> AttentionPatch:
     a_cols = getattr(attn, Q_POST).split(dk_q, 1)  # per query head [d, d_k]
     b_cols = getattr(attn, K_POST).split(dk_kv, 1)
+    shift = getattr(attn, K_SHIFT, None)  # schema 1.8: subtracted from every key first
 
     def before(q, k, v):  # project right after RoPE, pad back to d for the HF attention call
+        if shift is not None:
+            k = k - shift.view(1, -1, 1, d)
         q = torch.stack([nn.functional.pad(q[:, h] @ a, (0, d - a.shape[1])) for h, a in enumerate(a_cols)], 1)
         k = torch.stack([nn.functional.pad(k[:, g] @ b, (0, d - b.shape[1])) for g, b in enumerate(b_cols)], 1)
         return q, k, v
@@ -132,6 +135,9 @@ def load_baked(directory: Path) -> tuple[nn.Module, Adapter, Manifest]:
         if adapter.rope:
             attn.register_parameter(Q_POST, nn.Parameter(torch.zeros(d, dk_q), requires_grad=False))
             attn.register_parameter(K_POST, nn.Parameter(torch.zeros(d, sum(manifest.d_k[i])), requires_grad=False))
+            if manifest.config_block().key_shift:
+                shift = torch.zeros(layout.num_kv_heads * d)
+                attn.register_parameter(K_SHIFT, nn.Parameter(shift, requires_grad=False))
     state = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         state |= load_file(f)

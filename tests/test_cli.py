@@ -41,10 +41,10 @@ def test_calibrate_then_inspect(tiny_dirs, tmp_path):
     h = stats.header
     assert h.tokens == 200 and h.options.source == "random" and h.model.architecture == LLAMA
     assert len(h.model.weights_sha256) == 64 and h.model.num_kv_heads == 2
-    assert set(stats.grams) == {f"layers.{i}.{k}" for i in range(2) for k in "qkvo"}
+    assert set(stats.grams) == {f"layers.{i}.{k}" for i in range(2) for k in ("q", "k", "v", "o", "k_mean")}
     assert stats.gram(0, "k").shape == (2, 16, 16) and stats.gram(0, "q").shape == (4, 16, 16)
     header = json.loads((out / "calib.json").read_text())
-    assert header["schema_version"] == "1.0" and header["torch_version"] and header["transformers_version"]
+    assert header["schema_version"] == "1.1" and header["torch_version"] and header["transformers_version"]
     shown = run("inspect", out)
     assert shown.exit_code == 0 and "K (post-RoPE)" in shown.stdout and "mean" in shown.stdout
 

@@ -76,7 +76,7 @@ def test_export_writes_a_verifiable_hf_directory(setup, tmp_path, method):
     tensors = {}
     for f in out.glob("*.safetensors"):
         tensors |= load_file(f)
-    assert set(m.extra_tensors) <= set(tensors) and len(m.extra_tensors) == 2 * 2  # 2 layers × (q, k)
+    assert set(m.extra_tensors) <= set(tensors) and len(m.extra_tensors) == 2 * 3  # 2 layers × (q, k, the key shift)
     d_v = sum(m.d_v[0])
     assert tensors["model.layers.0.self_attn.v_proj.weight"].shape == (d_v, 64)
     assert tensors["model.layers.0.self_attn.o_proj.weight"].shape == (64, 2 * d_v)  # group of 2

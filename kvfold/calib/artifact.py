@@ -22,7 +22,7 @@ from kvfold.io import atomic_write_text, sha256_file
 
 __all__ = ["KINDS", "SCHEMA_VERSION", "CalibHeader", "CalibOptions", "CalibStats", "ModelIdentity"]
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: the keys' mean per layer and head ("layers.i.k_mean"), when the sink had it
 HEADER_FILE = "calib.json"
 STATS_FILE = "stats.safetensors"
 KINDS = ("q", "k", "v", "o")
@@ -75,6 +75,11 @@ class CalibStats:
 
     def gram(self, layer: int, kind: str) -> torch.Tensor:
         return self.grams[f"layers.{layer}.{kind}"]
+
+    def key_mean(self, layer: int) -> torch.Tensor | None:
+        """[H_kv, d] the keys' mean as calibrated (post-RoPE where the model has RoPE); None: not recorded
+        (calibrations before schema 1.1, the k-means sink)."""
+        return self.grams.get(f"layers.{layer}.k_mean")
 
     def save(self, directory: Path) -> None:
         save_file({k: v.contiguous() for k, v in self.grams.items()}, directory / STATS_FILE)

@@ -1,7 +1,9 @@
 """Where captured vectors go. Each sink gets (name, x) with x: [heads, N, d] and returns Grams.
 
 - GramSink: streaming float64 Gram XᵀX per head, on the vectors' device; memory O(d²) per head whatever N
-  is. Its eigendecomposition is the SVD of the stacked X (σ_i² = λ_i, same right singular vectors).
+  is. Its eigendecomposition is the SVD of the stacked X (σ_i² = λ_i, same right singular vectors). It also
+  returns the keys' mean per head ("layers.i.k_mean", [H_kv, d]): the shift an export subtracts from every key
+  (kvfold_runtime.format.K_SHIFT).
 Every sink returns its Grams on the CPU.
 - KMeansSink (ZDC): MiniBatchKMeans per head; the Gram is Σ_c n_c μ_c μ_cᵀ over count-weighted
   centroids. Needs two passes over the same data: fit, then count assignments to the final centroids.
@@ -22,6 +24,8 @@ class GramSink:
 
     def __init__(self) -> None:
         self.grams: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # keys only: Σ x per head, and how many vectors
+        self.counts: dict[str, int] = {}
 
     def add(self, name: str, x: torch.Tensor, pass_idx: int = 0) -> None:
         x64 = x.to(torch.float64)  # [heads, N, d]; statistics are accumulated in float64
@@ -30,9 +34,13 @@ class GramSink:
             self.grams[name] += gram
         else:
             self.grams[name] = gram
+        if name.endswith(".k"):
+            self.sums[name] = self.sums.get(name, 0) + x64.sum(1)
+            self.counts[name] = self.counts.get(name, 0) + x64.shape[1]
 
     def result(self) -> dict[str, torch.Tensor]:
-        return {n: g.cpu() for n, g in self.grams.items()}
+        means = {f"{n}_mean": (s / self.counts[n]).cpu() for n, s in self.sums.items()}
+        return {n: g.cpu() for n, g in self.grams.items()} | means
 
 
 class RecordSink:

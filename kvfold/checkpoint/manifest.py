@@ -20,7 +20,16 @@ from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankRule
 from kvfold.plan.sensitivity import LayerScales
 from kvfold.sources.models import ModelRef
-from kvfold_runtime import K_POST, LEGACY_BAND_SCALE, MANIFEST, Q_POST, SCHEMA_VERSION, ConfigBlock, check_schema
+from kvfold_runtime import (
+    K_POST,
+    K_SHIFT,
+    LEGACY_BAND_SCALE,
+    MANIFEST,
+    Q_POST,
+    SCHEMA_VERSION,
+    ConfigBlock,
+    check_schema,
+)
 
 __all__ = ["Calibration", "Manifest", "SourceModel"]
 
@@ -30,6 +39,7 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
 # (one-byte log8; before, float16). 1.7: `tensor_parallel`, the tensor-parallel size the widths were balanced for.
+# 1.8: the keys' shift (`kvfold_k_shift` in extra_tensors; config.json's kvfold block says `key_shift`).
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
 # (kvfold_runtime.format): kvfold writes what every runtime reads.
@@ -152,7 +162,7 @@ class Manifest(_Frozen):
             num_kv_heads=plan.layout.num_kv_heads, d_k=plan.ranks.d_k, d_v=plan.ranks.d_v, k_bits=k_bits,
             v_bits=v_bits, band_scale=bits.scale if bits else LEGACY_BAND_SCALE, chosen=plan.chosen,
             curve=list(plan.curve),
-            extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST))),
+            extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST, K_SHIFT))),
         )
 
     def previous_export(self, path: Path) -> PreviousExport:
@@ -177,7 +187,7 @@ class Manifest(_Frozen):
     def config_block(self) -> ConfigBlock:
         """The `kvfold` block of config.json: what the runtime needs to build the model and its cache."""
         return ConfigBlock(self.d_k, self.d_v, bool(self.extra_tensors), self.k_bits, self.v_bits, self.band_scale,
-                           self.schema_version)
+                           self.schema_version, key_shift=any(n.endswith(K_SHIFT) for n in self.extra_tensors))
 
     def accuracy_target(self) -> Target | None:
         """The target the search met (None when the export was made for a compression)."""

@@ -28,6 +28,9 @@ class LayerBasis:
     # [H_kv, d] the cached values' own mean square along each column of A_v (E[(v A_v)_j²]), what a rounding
     # error in v'_j is priced by (plan/bits.py); None: not measured (priced by v_spectrum² instead)
     v_energy: torch.Tensor | None = None
+    # [H_kv, d] a constant every key is shifted by before B_g (kvfold_runtime.format.K_SHIFT: the keys' calibrated
+    # mean, so the stored k' = (k − μ_g) B_g carry their spread, not their mean); None: no shift
+    k_mean: torch.Tensor | None = None
 
     @classmethod
     def from_groups(cls, heads: int, qk_a: list, qk_b: list, qk_s: list, v_a: list, v_s: list,
@@ -52,6 +55,7 @@ class LayerBasis:
             v_a=v_a,
             o_b=o_b,
             group=self.group,
+            k_mean=self.k_mean,
         )
 
 
@@ -70,6 +74,7 @@ class LayerFactors:
     v_a: list[torch.Tensor]  # per KV head [d, d_v(g)]
     o_b: list[torch.Tensor]  # per query head [d, d_v(g)]
     group: int
+    k_mean: torch.Tensor | None = None  # [H_kv, d] subtracted from the keys before B_g (LayerBasis.k_mean)
 
     def qk_full(self) -> bool:
         """Every KV head keeps all of its key dims (then q A_h B_gᵀ = q up to round-off)."""

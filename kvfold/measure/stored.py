@@ -29,15 +29,19 @@ def compressed(factors: LayerFactors, like: torch.dtype | torch.Tensor,
                quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
                quantize_v: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AttentionPatch:
     """Attention on the compressed tensors themselves: q' = q A_h, k' = k B_g, v' = v A_v; the cache's
-    k' and v' pass through `quantize` (v' through `quantize_v` when given); the output o' B_hᵀ.
+    k' and v' pass through `quantize` (v' through `quantize_v` when given); the output o' B_hᵀ. Keys are shifted
+    first where the factors carry a shift (k' = (k − μ_g) B_g, as the export's runtime does).
     (measure.evaluate's patch is the same algebra without materialising k' and v', which is why a quantizer
     needs this one.)"""
     qa, kb = _stack_padded(factors.qk_a, like), _stack_padded(factors.qk_b, like)  # [H|H_kv, d, d]
     va, ob = _stack_padded(factors.v_a, like), _stack_padded(factors.o_b, like)
     keep_k = quantize or (lambda x: x)
     keep_v = quantize_v or keep_k
+    mean = None if factors.k_mean is None else factors.k_mean.to(kb)[None, :, None]  # [1, H_kv, 1, d]
 
     def before(q, k, v):  # [B, H|H_kv, T, d]
+        if mean is not None:
+            k = k - mean
         return (torch.einsum("bhtd,hde->bhte", q, qa), keep_k(torch.einsum("bhtd,hde->bhte", k, kb)),
                 keep_v(torch.einsum("bhtd,hde->bhte", v, va)))
 

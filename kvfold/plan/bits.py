@@ -41,8 +41,8 @@ from kvfold.plan.ranks import RankPlan, factors_for
 from kvfold.plan.recipe import V_SCALE  # θ_v / θ_k by default (measured there)
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
-__all__ = ["SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "bits_basis", "dim_bits",
-           "plan_bits", "theta_for_mean_bits"]
+__all__ = ["KEY_MIN_BITS", "SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "bits_basis",
+           "dim_bits", "plan_bits", "theta_for_mean_bits"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
@@ -171,21 +171,29 @@ def bits_basis(basis: LayerBasis) -> LayerBasis:
     return replace(basis, v_a=v_a, v_spectrum=spectrum, v_energy=None)
 
 
-# Keys are never dropped in the bits format: their smallest width is the narrowest band (2 bits). The water-filling
-# prices dropping key dim j at λ̂_j = σ_j², and on Qwen2.5-Coder-1.5B that is far too cheap for the small dims of
-# layers 0–1 (attention sinks and RoPE's slow channels read them). Measured 2026-11-26 (4,096 pysrc:dev tokens,
-# bfloat16, 16K-token calibration), the plan as priced vs the same plan with its dropped key dims at 2 bits:
-# θ_v 1e-7: 0.514 → 0.516 of fp16's bytes, perplexity ratio 1.0175 → 1.0078; θ_v 1e-5: 0.312 → 0.315, 38.2 → 1.061;
-# θ_v 1e-4: 0.209 → 0.214, 3986 → 1.221. On SmolLM2 (wiki:eval+pydoc:eval, float32) it changes nothing that
-# matters: at 0.327 / 0.269 / 0.236 / 0.207 of fp16's bytes, KL 0.0061 → 0.0060, 0.0248 → 0.0243, 0.0612 → 0.0600,
-# 0.1235 → 0.1183, bytes +0.2–1%. Values may still drop dims (their λ is their own energy, priced right).
-def _kept(widths: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(w for w in widths if w > 0)
+# Keys are never dropped in the bits format, nor stored below 4 bits: their narrowest band is KEY_MIN_BITS. The
+# water-filling prices key dim j at λ̂_j = σ_j² of its own head, and on Qwen2.5-Coder-1.5B that is far too cheap for
+# the small dims of layers 0–1, whose attention is sharply peaked (layer 0's scores have rms ~2,700 at 1/√d), so a
+# small relative error there moves the logits most. Measured 2026-11-26 (4,096 tokens, bfloat16, 16K-token
+# calibration), the plan as priced vs the same plan with its key dims raised:
+#   dropped keys → 2 bits (pysrc:dev, before the key shift): θ_v 1e-7: 0.514 → 0.516 of fp16's bytes, perplexity
+#   ratio 1.0175 → 1.0078; θ_v 1e-5: 38.2 → 1.061; θ_v 1e-4: 3986 → 1.221.
+#   2 → 4 bits (wiki:dev, with the key shift): θ_v 1e-7: 0.516 → 0.518, KL 0.0034 → 0.0013 (all of the 0.0034 was
+#   layer 0's keys: quantizing them alone gives 0.0033, every other layer's 0.0007); θ_v 1e-6: 0.408 → 0.412, KL
+#   0.0174 → 0.0017, perplexity ratio 1.018 → 1.002; θ_v 1e-4: 0.224 (3 bits) → 0.245, KL 0.046 → 0.019.
+# On SmolLM2 (wiki:eval+pydoc:eval, float32) it costs little and helps at low budgets: θ_v 3e-5: 0.327 → 0.330 of
+# fp16, KL 0.0062 → 0.0056; θ_v 1e-4: 0.270 → 0.283, KL 0.025 → 0.017 (perplexity ratio 1.027 → 1.011). Values may
+# still drop dims and take 2 bits (their λ is their own energy, priced right).
+KEY_MIN_BITS = 4
+
+
+def _key_widths(widths: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(w for w in widths if w >= KEY_MIN_BITS) or (max(widths),)
 
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
     k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
-    key_widths = _kept(rule.widths)
+    key_widths = _key_widths(rule.widths)
     for i, b in enumerate(map(bits_basis, bases)):
         tk, tv = rule.thetas(i)
         k_bits.append([dim_bits(s, tk, key_widths, scale_bits) for s in b.qk_spectrum])

@@ -16,7 +16,7 @@ from kvfold.adapters import HeadLayout
 from kvfold.calib.tokens import Sequences, text_sequences
 from kvfold.errors import KVFoldError
 from kvfold.factors import LayerBasis, get_method
-from kvfold.factors.positions import fitted_statistics
+from kvfold.factors.positions import fitted_statistics, with_key_shift
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import Evaluator
 from kvfold.measure.passkey import passkey_length, passkey_prompts
@@ -61,6 +61,7 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
     positions = context_positions(recipe, previous, net, ref.adapter.rope)
     fitted = fitted_statistics(inputs.stats, net, positions)  # RoPE: every position up to the context, not 0–511
     bases = [method.basis(fitted, i, o_proj_heads(net, ref.adapter, i)) for i in range(identity.num_layers)]
+    bases = with_key_shift(bases, fitted, net, ref.adapter.rope)
     windows = None if previous else _windows(inputs, target)
     if previous is None and recipe.allocation == "sensitivity":
         log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")

@@ -5,7 +5,8 @@ Per KV head g / query head h (see factors/base.py):
   v_proj:  out cols of head g  ← W_v^g A_v            (bias too)      -> [hidden, Σ_g d_v]
   o_proj:  in rows of head h   ← B_hᵀ W_O^h                             -> [Σ_h d_v(g(h)), hidden]
   RoPE models: A_h, B_g stay online, as parameters `kvfold_q_post` [d, Σ_h d_k] and
-               `kvfold_k_post` [d, Σ_g d_k] of the attention module (applied after RoPE).
+               `kvfold_k_post` [d, Σ_g d_k] of the attention module (applied after RoPE), and the keys' shift
+               `kvfold_k_shift` [H_kv · d] where the factors carry one (subtracted before B_g).
   no RoPE:     q_proj cols of head h ← W_q^h A_h, k_proj cols of head g ← W_k^g B_g (biases too).
 Products are formed in float64 on the weights' device and cast to the model's dtype once, at the end.
 """
@@ -20,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from kvfold.adapters import Adapter, HeadLayout
 from kvfold.factors import LayerFactors
-from kvfold_runtime import K_POST, Q_POST
+from kvfold_runtime import K_POST, K_SHIFT, Q_POST
 
 __all__ = ["bake", "make_projection"]
 
@@ -75,6 +76,9 @@ def bake(model: nn.Module, adapter: Adapter, factors: list[LayerFactors]) -> nn.
             for name, mats in ((Q_POST, f.qk_a), (K_POST, f.qk_b)):
                 post = torch.cat(mats, 1).to(wq.device, dtype)
                 attn.register_parameter(name, nn.Parameter(post, requires_grad=False))
+            if f.k_mean is not None:
+                shift = f.k_mean.reshape(-1).to(wq.device, dtype)
+                attn.register_parameter(K_SHIFT, nn.Parameter(shift, requires_grad=False))
         if adapter.qkv_fused:
             b_all = None if bq is None else torch.cat([bq, bk, bv])
             setattr(attn, adapter.qkv_fused, make_projection(torch.cat([wq, wk, wv], 1), b_all, pl, dtype))

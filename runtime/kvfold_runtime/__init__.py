@@ -42,6 +42,7 @@ from kvfold_runtime.export import check_export, tensor_shapes
 from kvfold_runtime.families import FAMILIES, Family
 from kvfold_runtime.format import (
     K_POST,
+    K_SHIFT,
     MANIFEST,
     Q_POST,
     SCHEMA_VERSION,
@@ -66,8 +67,9 @@ from kvfold_runtime.kernels import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "LEGACY_BAND_SCALE", "MANIFEST",
-           "Q_POST", "SCHEMA_VERSION", "Band", "BandRows", "ConfigBlock", "Family", "LayerDims", "NumberRows",
+__all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "K_SHIFT", "LEGACY_BAND_SCALE",
+           "MANIFEST", "Q_POST", "SCHEMA_VERSION", "Band", "BandRows", "ConfigBlock", "Family", "LayerDims",
+           "NumberRows",
            "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits", "bits_attention", "check_export",
            "check_schema", "decode_attention", "encode_band_rows", "head_dim", "kernels_for", "kv_cache_bytes",
            "model_dims", "pack_bits", "paged_attention", "paged_bits_attention", "paged_decode_attention",

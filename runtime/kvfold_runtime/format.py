@@ -6,8 +6,15 @@ An export folder is a HF checkpoint plus `kvfold.json` (MANIFEST: the sha256 of 
 was made). Its config.json names the runtime class (`KVFold<Arch>`, `runtime_class_name`) in `architectures`
 and carries a `kvfold` block (`ConfigBlock`): the schema version, per layer and KV head the kept key and value
 widths d_k / d_v, whether the attention modules hold post-RoPE projections (tensors `<attn>.kvfold_q_post`
-[d, Σ_h d_k(g(h))] and `<attn>.kvfold_k_post` [d, Σ_g d_k], Q_POST / K_POST), and for the bits format the
-bit width of every kept dim (k_bits / v_bits) and the bands' scale format (band_scale).
+[d, Σ_h d_k(g(h))] and `<attn>.kvfold_k_post` [d, Σ_g d_k], Q_POST / K_POST), whether they also hold a key
+shift (`<attn>.kvfold_k_shift` [H_kv · d], K_SHIFT, subtracted from the post-RoPE keys before K_POST), and for
+the bits format the bit width of every kept dim (k_bits / v_bits) and the bands' scale format (band_scale).
+
+Why a key shift: every query's scores move by the same constant (q · shift) when a constant is subtracted from
+every key, and softmax does not see it, so attention is unchanged — but the stored keys lose their mean. Models
+with key biases (Qwen2) have post-RoPE keys dominated by one direction shared by every token; rounding k' to the
+model's dtype, or to a band's codes whose scale that direction sets, then costs far more than the keys' spread
+warrants (docs/results.md: Qwen2.5-Coder's bits export at 0.99).
 
 Packed layouts, used everywhere (heads in order, each at its own width, no padding):
   queries [..., Σ_h d_k(g(h))]   keys [..., Σ_g d_k[g]]   values [..., Σ_g d_v[g]]
@@ -24,15 +31,16 @@ from dataclasses import dataclass
 
 from kvfold_runtime.bands import LEGACY_SCALE, Band, bands_from_bits, row_bytes
 
-__all__ = ["K_POST", "MANIFEST", "Q_POST", "SCHEMA_VERSION", "ConfigBlock", "LayerDims", "check_schema",
+__all__ = ["K_POST", "K_SHIFT", "MANIFEST", "Q_POST", "SCHEMA_VERSION", "ConfigBlock", "LayerDims", "check_schema",
            "head_dim", "model_dims", "runtime_class_name"]
 
 MANIFEST = "kvfold.json"
 # The version kvfold writes (history: kvfold/checkpoint/manifest.py). A runtime reads every minor version of
 # its major: minor versions only add fields with defaults that keep older exports' meaning.
-SCHEMA_VERSION = "1.7"
+SCHEMA_VERSION = "1.8"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"  # post-RoPE projections, parameters of each attention module
+K_SHIFT = "kvfold_k_shift"  # the constant subtracted from post-RoPE keys (schema 1.8; absent: none)
 
 
 def runtime_class_name(architecture: str) -> str:
@@ -107,12 +115,15 @@ class ConfigBlock:
     v_bits: list[list[list[int]]] | None = None
     band_scale: str = LEGACY_SCALE  # bits format: the bands' scale format (absent before schema 1.6: float16)
     schema_version: str = SCHEMA_VERSION
+    key_shift: bool = False  # the attention modules hold K_SHIFT (schema 1.8; absent: False)
 
     def to_dict(self) -> dict:
         block = {"schema_version": self.schema_version, "d_k": self.d_k, "d_v": self.d_v,
                  "post_rope_projections": self.post_rope_projections}
         if self.k_bits is not None:
             block |= {"k_bits": self.k_bits, "v_bits": self.v_bits, "band_scale": self.band_scale}
+        if self.key_shift:
+            block["key_shift"] = True
         return block
 
     @classmethod
@@ -124,7 +135,8 @@ class ConfigBlock:
         bits = "k_bits" in block
         return cls(block["d_k"], block["d_v"], bool(block.get("post_rope_projections", False)),
                    block["k_bits"] if bits else None, block["v_bits"] if bits else None,
-                   block.get("band_scale", LEGACY_SCALE), str(block["schema_version"]))
+                   block.get("band_scale", LEGACY_SCALE), str(block["schema_version"]),
+                   bool(block.get("key_shift", False)))
 
     @classmethod
     def from_config(cls, config) -> ConfigBlock:

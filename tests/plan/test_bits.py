@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvfold.factors import LayerBasis
-from kvfold.plan.bits import BitRule, dim_bits, plan_bits, theta_for_mean_bits
+from kvfold.plan.bits import KEY_MIN_BITS, BitRule, dim_bits, plan_bits, theta_for_mean_bits
 
 WIDTHS = (0, 2, 3, 4, 5, 6, 8, 16)
 
@@ -43,7 +43,7 @@ def _bases(layers=2, kv_heads=2, d=16):
 
 def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
     bases = _bases()
-    plan = plan_bits(bases, BitRule(1e-3, 1e-3, WIDTHS, layer_k=(1.0, 8.0), layer_v=(1.0, 1.0)))
+    plan = plan_bits(bases, BitRule(1e-5, 1e-3, WIDTHS, layer_k=(1.0, 8.0), layer_v=(1.0, 1.0)))
     ranks = plan.ranks()
     assert ranks.d_k == [[sum(b > 0 for b in h) for h in layer] for layer in plan.k_bits]
     assert sum(map(sum, plan.k_bits[1])) < sum(map(sum, plan.k_bits[0]))  # multiplier 8: a cheaper layer
@@ -56,10 +56,14 @@ def test_a_plan_keeps_the_dims_with_bits_and_layer_multipliers_scale_theta():
 
 
 
-def test_keys_are_never_dropped_values_may_be():
-    # a θ so large that the water-filling would drop every dim of a head: keys keep the narrowest band
+def test_keys_are_never_dropped_nor_stored_below_4_bits_values_may_be():
+    # a θ so large that the water-filling would drop every dim of a head: keys keep KEY_MIN_BITS (4)
     plan = plan_bits(_bases(), BitRule(10.0, 10.0, WIDTHS))
-    assert {b for layer in plan.k_bits for head in layer for b in head} == {min(w for w in WIDTHS if w)}
+    assert KEY_MIN_BITS == 4
+    assert {b for layer in plan.k_bits for head in layer for b in head} == {KEY_MIN_BITS}
+    # widths offering nothing as wide: keys take the widest there is
+    narrow = plan_bits(_bases(), BitRule(10.0, 10.0, (0, 2, 3)))
+    assert {b for layer in narrow.k_bits for head in layer for b in head} == {3}
     assert {b for layer in plan.v_bits for head in layer for b in head} == {0}
 
 

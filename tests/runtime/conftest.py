@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -68,14 +68,30 @@ def band_bits(widths: list[list[int]], low: bool) -> list[list[list[int]]]:
     return [[head(w) for w in layer] for layer in widths]
 
 
+def key_shifts(model, arch: str, factors: list, seed: int = 7) -> list:
+    """`factors` with a seeded key shift (LayerFactors.k_mean, several times the tiny keys' size) where an export
+    holds one (RoPE, no soft-capping: kvfold.factors.positions.with_key_shift's rule)."""
+    config = model.config.get_text_config()
+    if not get_adapter(arch).rope or getattr(config, "attn_logit_softcapping", None):
+        return factors
+    gen = torch.Generator().manual_seed(seed)
+    return [replace(f, k_mean=3 * torch.randn(len(f.qk_b), f.qk_b[0].shape[0], generator=gen, dtype=torch.float64))
+            for f in factors]
+
+
 def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method: str = "aware",
-                 bits: str | None = None, band_scale: str = "log8", overrides: dict | None = None) -> TinyExport:
+                 bits: str | None = None, band_scale: str = "log8", overrides: dict | None = None,
+                 key_shift: bool = False) -> TinyExport:
     """Bake the tiny `arch` model (saved at `source`, built with config `overrides`) at `ranks` (RANKS) into
-    `out`; with `bits` ("16" or "low", band_bits) in the bits format, its bands' scales stored as `band_scale`."""
+    `out`; with `bits` ("16" or "low", band_bits) in the bits format, its bands' scales stored as `band_scale`;
+    `key_shift`: with a seeded key shift where the architecture can hold one (key_shifts)."""
     model = build_tiny(arch, **(overrides or {}))
     d_k, d_v = RANKS[ranks](model)
     layout = HeadLayout.from_config(model.config)
     d = layout.head_dim
+    factors = _factors(model, arch, method, d_k, d_v)
+    if key_shift:
+        factors = key_shifts(model, arch, factors)
     rank_plan = RankPlan(d_k, d_v, d)
     rule, bit_plan = RankRule(0.0, 0.0, multiple=1, min_rank=1), None
     if bits is not None:  # every head's widths padded with dropped dims (0 bits) to head_dim, as plan_bits gives them
@@ -89,7 +105,7 @@ def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method
     plan = ExportPlan(
         model=model, layout=layout, method=method, metric="top1", target=None, ratio=0.0, allocation="eq6",
         search_dtype="float32", positions=None, scales=None, rule=rule, ranks=rank_plan, bits=bit_plan,
-        factors=tuple(_factors(model, arch, method, d_k, d_v)), chosen=point, curve=(point,),
+        factors=tuple(factors), chosen=point, curve=(point,),
         baseline=Baseline(eval_text="test", eval_tokens=0, top1=0.0, ppl=0.0), passkey=None)
     baked = bake(plan.model, get_adapter(arch), list(plan.factors))
     manifest = Manifest.from_plan(
@@ -102,9 +118,10 @@ def write_export(arch: str, source: Path, out: Path, ranks: str = "full", method
 
 @pytest.fixture(scope="session")
 def tiny_exports(tiny_dirs, tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
-    """(architecture, "full" | "uneven") -> a tiny export on disk, built once per test run."""
+    """(architecture, "full" | "uneven") -> a tiny export on disk, built once per test run (with a key shift where
+    the architecture can hold one, as `kvfold export` writes them)."""
     root = tmp_path_factory.mktemp("exports")
-    return {(arch, ranks): write_export(arch, tiny_dirs[arch], root / f"{arch}-{ranks}", ranks)
+    return {(arch, ranks): write_export(arch, tiny_dirs[arch], root / f"{arch}-{ranks}", ranks, key_shift=True)
             for arch in tiny_dirs for ranks in ("full", "uneven")}
 
 
@@ -113,7 +130,8 @@ def tiny_bits_exports(tiny_dirs, tmp_path_factory) -> dict[str, TinyExport]:
     """architecture -> a tiny bits-format export at uneven ranks, every head in 8-, 4- and 2-bit bands
     (band_bits "low"), built once per test run."""
     root = tmp_path_factory.mktemp("bits-exports")
-    return {arch: write_export(arch, tiny_dirs[arch], root / arch, "uneven", bits="low") for arch in tiny_dirs}
+    return {arch: write_export(arch, tiny_dirs[arch], root / arch, "uneven", bits="low", key_shift=True)
+            for arch in tiny_dirs}
 
 
 @pytest.fixture(scope="session")

@@ -201,3 +201,29 @@ def test_16_bit_bands_at_full_rank_are_exact_in_a_float16_model(tiny_dirs, tmp_p
         want = AutoModelForCausalLM.from_pretrained(plain.path, dtype=torch.float16).eval()(input_ids=ids).logits
         got = AutoModelForCausalLM.from_pretrained(wide.path, dtype=torch.float16).eval()(input_ids=ids).logits
     assert torch.equal(got, want)
+
+
+def test_the_key_shift_is_subtracted_before_the_post_rope_projection(tiny_dirs, tmp_path):
+    """An export with a key shift s (format.K_SHIFT) caches k' = (k − s_g) B_g: the same model without it caches
+    k B_g, so the two caches differ by s_g B_g in every row — and the logits, which softmax keeps blind to the
+    shift, do not."""
+    from kvfold_runtime import K_POST, K_SHIFT
+    from tests.runtime.conftest import write_export
+
+    arch = "LlamaForCausalLM"
+    plain = write_export(arch, tiny_dirs[arch], tmp_path / "plain", "uneven")
+    shifted = write_export(arch, tiny_dirs[arch], tmp_path / "shifted", "uneven", key_shift=True)
+    ids = _ids(6, (2, 12))
+    with torch.inference_mode():
+        model = _serve(shifted)
+        got = model(input_ids=ids, use_cache=True)
+        want = _serve(plain)(input_ids=ids, use_cache=True)
+        assert _rel(got.logits, want.logits) < 1e-5
+        m = shifted.manifest
+        for i, (a, b) in enumerate(zip(got.past_key_values.layers, want.past_key_values.layers, strict=True)):
+            attn = model.model.layers[i].self_attn
+            shift = getattr(attn, K_SHIFT).view(len(m.d_k[i]), -1)  # [H_kv, d]
+            cols = getattr(attn, K_POST).split(m.d_k[i], 1)
+            moved = torch.cat([s @ c for s, c in zip(shift, cols, strict=True)])  # [Σ d_k]
+            assert float(moved.abs().max()) > 1.0
+            torch.testing.assert_close(b.keys - a.keys, moved.expand_as(a.keys), atol=1e-4, rtol=1e-4)

@@ -13,7 +13,7 @@ from kvfold import api
 from kvfold.calib.artifact import CalibStats
 from kvfold.calib.tokens import Sequences, text_sequences
 from kvfold.factors import LayerBasis, get_method
-from kvfold.factors.positions import fitted_statistics
+from kvfold.factors.positions import fitted_statistics, with_key_shift
 from kvfold.factors.weights import o_proj_heads
 from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.evaluate import Evaluator, Reference, score_model
@@ -124,8 +124,9 @@ class Setup:
             if factor == "aware" and self.adapter.rope:  # as export fits them: every position of the context
                 context = self.model.config.get_text_config().max_position_embeddings
                 stats = fitted_statistics(stats, self.model, context)
-            return [method.basis(stats, i, o_proj_heads(self.model, self.adapter, i))
-                    for i in range(stats.header.model.num_layers)]
+            bases = [method.basis(stats, i, o_proj_heads(self.model, self.adapter, i))
+                     for i in range(stats.header.model.num_layers)]
+            return with_key_shift(bases, stats, self.model, self.adapter.rope)
 
         return self.once(("bases", factor, calib), build)
 

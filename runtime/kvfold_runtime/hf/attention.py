@@ -2,7 +2,8 @@
 stores k' and v' packed at those widths, attention on the short vectors with no decompression.
 
 Per layer (row vectors; the algebra: docs/design.md in the kvfold repository):
-  RoPE models:  q = RoPE(norm(x W_q)) A_h,  k' = RoPE(norm(x W_k)) B_g   (A, B: kvfold_q_post/k_post)
+  RoPE models:  q = RoPE(norm(x W_q)) A_h,  k' = (RoPE(norm(x W_k)) − s_g) B_g   (A, B: kvfold_q_post/k_post;
+                s: kvfold_k_shift where the export has one, a constant softmax does not see)
   others:       q = x W_q',  k' = x W_k'   (A and B already folded into the weights)
   all:          v' = x W_v',  out = Σ_h attn_h(q, k', v') W_O'^h
 It replaces the family's own attention module and keeps its child names (q_proj, ..., q_norm), so the
@@ -19,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
 from kvfold_runtime.families import Family
-from kvfold_runtime.format import K_POST, Q_POST, LayerDims
+from kvfold_runtime.format import K_POST, K_SHIFT, Q_POST, LayerDims
 from kvfold_runtime.kernels.dispatch import attention
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 
@@ -35,7 +36,8 @@ def _projection(old: nn.Module, n_in: int, n_out: int, conv1d: bool) -> nn.Modul
 
 
 class KVFoldAttention(nn.Module):
-    def __init__(self, hf_attn: nn.Module, family: Family, dims: LayerDims, head_dim: int) -> None:
+    def __init__(self, hf_attn: nn.Module, family: Family, dims: LayerDims, head_dim: int,
+                 key_shift: bool = False) -> None:
         super().__init__()
         self.family, self.dims, self.head_dim = family, dims, head_dim
         self.layer_idx = hf_attn.layer_idx
@@ -68,6 +70,10 @@ class KVFoldAttention(nn.Module):
                 torch.empty(d, dims.q_width, device=like.device, dtype=like.dtype), requires_grad=False))
             self.register_parameter(K_POST, nn.Parameter(
                 torch.empty(d, sum(dims.d_k), device=like.device, dtype=like.dtype), requires_grad=False))
+            self.key_shift = key_shift
+            if key_shift:
+                self.register_parameter(K_SHIFT, nn.Parameter(
+                    torch.empty(n_kv * d, device=like.device, dtype=like.dtype), requires_grad=False))
             self._rope = importlib.import_module(family.module).apply_rotary_pos_emb
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,6 +90,8 @@ class KVFoldAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, d], [B, H_kv, T, d]
+        if self.key_shift:
+            k = k - getattr(self, K_SHIFT).view(-1, 1, self.head_dim)
         a = getattr(self, Q_POST).split([self.dims.group * w for w in self.dims.d_k], 1)
         bk = getattr(self, K_POST).split(list(self.dims.d_k), 1)
         qs, ks, n = [], [], self.dims.group

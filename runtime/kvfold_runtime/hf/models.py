@@ -30,7 +30,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvfold_runtime.families import FAMILIES, Family
-from kvfold_runtime.format import head_dim, model_dims, runtime_class_name
+from kvfold_runtime.format import ConfigBlock, head_dim, model_dims, runtime_class_name
 from kvfold_runtime.hf.attention import KVFoldAttention
 
 __all__ = ["export_config_class", "register", "runtime_class"]
@@ -39,11 +39,12 @@ __all__ = ["export_config_class", "register", "runtime_class"]
 def _compress_attention(model, family: Family) -> None:
     attention_cls = getattr(importlib.import_module(family.module), family.attention)
     dims, d = model_dims(model.config), head_dim(model.config)
+    shift = ConfigBlock.from_config(model.config).key_shift
     found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, attention_cls):
-                setattr(parent, name, KVFoldAttention(child, family, dims[child.layer_idx], d))
+                setattr(parent, name, KVFoldAttention(child, family, dims[child.layer_idx], d, shift))
                 found += 1
     assert found == len(dims), f"{family.attention}: found {found} attention modules, config lists {len(dims)}"
 

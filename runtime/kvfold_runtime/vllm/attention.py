@@ -35,7 +35,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import KVQuantMode
 
-from kvfold_runtime.format import K_POST, Q_POST, LayerDims, head_dim, model_dims
+from kvfold_runtime.format import K_POST, K_SHIFT, Q_POST, ConfigBlock, LayerDims, head_dim, model_dims
 from kvfold_runtime.sharding import LayerShard, post_rope, shard_layer
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
 from kvfold_runtime.vllm.errors import refuse
@@ -52,6 +52,18 @@ def _post_rope_loader(head_dim: int, width: int, take):
             raise refuse(f"post-RoPE projection has shape {tuple(loaded.shape)}, expected {(head_dim, width)} from "
                          "config.json's ranks: the export is corrupt; run `kvfold verify` on it")
         param.data.copy_(take(loaded))
+
+    return load
+
+
+def _key_shift_loader(full: int, heads: range, head_dim: int):
+    """Weight loader of the key shift: the checkpoint's [H_kv · d] -> this rank's KV heads' [local H_kv · d]."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (full,):
+            raise refuse(f"key shift has shape {tuple(loaded.shape)}, expected {(full,)}: the export is corrupt; "
+                         "run `kvfold verify` on it")
+        param.data.copy_(loaded[heads.start * head_dim:heads.stop * head_dim])
 
     return load
 
@@ -158,6 +170,11 @@ class KVFoldVllmAttention(nn.Module):
             post.weight_loader = _post_rope_loader(d, width, take)
             self.register_parameter(name, post)
             self.register_buffer(f"{name}_columns", columns, persistent=False)
+        self.key_shift = ConfigBlock.from_config(config).key_shift
+        if self.key_shift:  # subtracted from the post-RoPE keys: a constant softmax does not see (format.py)
+            shift = nn.Parameter(torch.zeros(self.k_full), requires_grad=False)
+            shift.weight_loader = _key_shift_loader(num_kv_heads * d, shard.heads, d)
+            self.register_parameter(K_SHIFT, shift)
         sliding_window = None
         if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
             sliding_window = config.sliding_window
@@ -174,6 +191,8 @@ class KVFoldVllmAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
+        if self.key_shift:
+            k = k - getattr(self, K_SHIFT)
         q = post_rope(q, getattr(self, Q_POST), getattr(self, f"{Q_POST}_columns"))  # [T, Σ_h d_k(g(h))]
         k = post_rope(k, getattr(self, K_POST), getattr(self, f"{K_POST}_columns"))  # [T, Σ_g d_k]
         out = self.attn(q, k, v)  # [T, Σ_h d_v(g(h))]

@@ -25,7 +25,16 @@ from vllm.model_executor.models.utils import WeightsMapper
 
 from kvfold_runtime.export import check_export, tensor_shapes
 from kvfold_runtime.families import FAMILIES
-from kvfold_runtime.format import K_POST, Q_POST, ConfigBlock, LayerDims, head_dim, model_dims, runtime_class_name
+from kvfold_runtime.format import (
+    K_POST,
+    K_SHIFT,
+    Q_POST,
+    ConfigBlock,
+    LayerDims,
+    head_dim,
+    model_dims,
+    runtime_class_name,
+)
 from kvfold_runtime.sharding import check_tensor_parallel
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
@@ -59,11 +68,14 @@ def _check_shapes(folder: Path, config, dims: list[LayerDims]) -> None:
     bits-format export the widths its band table (k_bits / v_bits) keeps."""
     shapes = tensor_shapes(folder)
     d, hidden = head_dim(config), config.hidden_size
-    post_rope = ConfigBlock.from_config(config).post_rope_projections
+    block = ConfigBlock.from_config(config)
+    post_rope = block.post_rope_projections
     for i, layer in enumerate(dims):
         want = {"v_proj.weight": (sum(layer.d_v), hidden), "o_proj.weight": (hidden, layer.out_width)}
         if post_rope:
             want |= {K_POST: (d, sum(layer.d_k)), Q_POST: (d, layer.q_width)}
+        if block.key_shift:
+            want[K_SHIFT] = (d * layer.num_kv_heads,)
         for suffix, shape in want.items():
             name = f"model.layers.{i}.self_attn.{suffix}"
             if shapes.get(name) != shape:
