@@ -39,12 +39,17 @@ def test_calibrate_smollm2_random_tokens(smollm2, tmp_path):
     assert h.model.weights_sha256 == weights_sha256(smollm2)
     assert h.tokens == 2048
     stats = CalibStats.load(tmp_path / "c")
-    for name, g in stats.grams.items():
+    grams = {n: g for n, g in stats.grams.items() if not n.endswith("k_mean")}
+    for name, g in grams.items():
         assert g.dtype == torch.float64
         torch.testing.assert_close(g, g.transpose(1, 2), rtol=0, atol=0, msg=name)
         assert torch.linalg.eigvalsh(g).min() > -1e-9 * g.diagonal(dim1=1, dim2=2).sum(-1).max(), name
     # every Gram is a sum over exactly the collected tokens: trace = sum of squared norms > 0
-    assert all(float(g.diagonal(dim1=1, dim2=2).sum()) > 0 for g in stats.grams.values())
+    assert all(float(g.diagonal(dim1=1, dim2=2).sum()) > 0 for g in grams.values())
+    # the keys' mean per layer and KV head (the export's key shift), within what the Gram's diagonal allows
+    for i in range(30):
+        mean, gram = stats.key_mean(i), stats.gram(i, "k") / h.tokens
+        assert mean.shape == (3, 64) and bool((mean**2 <= gram.diagonal(dim1=1, dim2=2) + 1e-9).all())
 
 
 def test_demo_path_text_calibration_and_inspect(smollm2, tmp_path):
@@ -89,7 +94,7 @@ def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     recipe = Recipe(ratio=0.05, eval_tokens=1024, allocation="eq6")  # the files are tested here, not the allocation
     result = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe)
     m = result.manifest
-    assert m.chosen.compression >= 0.05 and len(m.extra_tensors) == 60  # 30 layers × (q, k) post-RoPE
+    assert m.chosen.compression >= 0.05 and len(m.extra_tensors) == 90  # 30 layers × (q, k, key shift) post-RoPE
     baked, adapter, manifest = load_baked(tmp_path / "o")
     assert manifest.to_json() == m.to_json()  # as text: NaN (a figure not measured) is never == NaN
     ref = resolve_model("smollm2")
