@@ -24,8 +24,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-__all__ = ["PositionAveraged", "fitted_statistics", "position_average", "position_average_mean", "rope_frequencies",
-           "with_key_shift"]
+__all__ = ["PositionAveraged", "fitted_statistics", "holds_key_shift", "position_average", "position_average_mean",
+           "rope_frequencies", "with_key_shift"]
 
 
 def _mean_phase(delta: torch.Tensor, context: int) -> torch.Tensor:
@@ -90,16 +90,22 @@ class PositionAveraged:
         return None if m is None else position_average_mean(m.to(torch.float64), self.inv_freq[layer], self.context)
 
 
+def holds_key_shift(net: nn.Module, rope: bool) -> bool:
+    """Whether an export of `net` can hold a key shift: RoPE models (the shift is subtracted after RoPE,
+    kvfold_runtime.format.K_SHIFT) without logit soft-capping (tanh of the scores is not blind to a constant added
+    to them)."""
+    return rope and not getattr(net.config.get_text_config(), "attn_logit_softcapping", None)
+
+
 def with_key_shift(bases: list, stats, net: nn.Module, rope: bool) -> list:
-    """`bases` with the keys' calibrated mean as their shift (LayerBasis.k_mean) where the export can hold one: RoPE
-    models (the shift is subtracted after RoPE, kvfold_runtime.format.K_SHIFT) without logit soft-capping (tanh of
-    the scores is not blind to a constant added to them). Calibrations without means: unchanged.
+    """`bases` with the keys' calibrated mean as their shift (LayerBasis.k_mean) where the export can hold one
+    (holds_key_shift). Calibrations without means: unchanged.
 
     Measured on Qwen2.5-Coder-1.5B (2026-11-26, bfloat16, 2,048 pysrc:dev tokens, the bits search's mildest point,
     0.516 of fp16's bytes): mean KL 0.0183 → 0.0012, perplexity ratio 1.0175 → 1.0018. Its K bias gives the
     post-RoPE keys of layer 0 a shared direction ~20× their spread (score rms 2,749 at 1/√d): rounding k' to
     bfloat16 alone moved the scores by ~6."""
-    if not rope or getattr(net.config.get_text_config(), "attn_logit_softcapping", None):
+    if not holds_key_shift(net, rope):
         return bases
     means = [stats.key_mean(i) for i in range(len(bases))]
     if any(m is None for m in means):

@@ -69,12 +69,11 @@ from kvfold_runtime.kernels import (
 __version__ = "0.1.0"
 __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "K_SHIFT", "LEGACY_BAND_SCALE",
            "MANIFEST", "Q_POST", "SCHEMA_VERSION", "Band", "BandRows", "ConfigBlock", "Family", "LayerDims",
-           "NumberRows",
-           "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits", "bits_attention", "check_export",
-           "check_schema", "decode_attention", "encode_band_rows", "head_dim", "kernels_for", "kv_cache_bytes",
-           "model_dims", "pack_bits", "paged_attention", "paged_bits_attention", "paged_decode_attention",
-           "paged_prefill_attention", "prefill_attention", "reference_attention", "register", "row_codec",
-           "runtime_class", "runtime_class_name", "sdpa_attention", "tensor_shapes", "write_paged"]
+           "NumberRows", "attention", "band_roundtrip", "band_row_bytes", "bands_from_bits", "bits_attention",
+           "check_export", "check_schema", "decode_attention", "encode_band_rows", "head_dim", "kernels_for",
+           "kv_cache_bytes", "model_dims", "pack_bits", "paged_attention", "paged_bits_attention",
+           "paged_decode_attention", "paged_prefill_attention", "prefill_attention", "reference_attention", "register",
+           "row_codec", "runtime_class", "runtime_class_name", "sdpa_attention", "tensor_shapes", "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
            "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill",

@@ -11,6 +11,7 @@ import torch
 from kvfold.adapters import HeadLayout, get_adapter
 from kvfold.checkpoint.manifest import Calibration, Manifest, SourceModel
 from kvfold.checkpoint.writer import write_checkpoint
+from kvfold.factors.positions import holds_key_shift
 from kvfold.plan.bits import BitPlan, BitRule
 from kvfold.plan.export_plan import Baseline, ExportPlan
 from kvfold.plan.point import Point
@@ -70,9 +71,8 @@ def band_bits(widths: list[list[int]], low: bool) -> list[list[list[int]]]:
 
 def key_shifts(model, arch: str, factors: list, seed: int = 7) -> list:
     """`factors` with a seeded key shift (LayerFactors.k_mean, several times the tiny keys' size) where an export
-    holds one (RoPE, no soft-capping: kvfold.factors.positions.with_key_shift's rule)."""
-    config = model.config.get_text_config()
-    if not get_adapter(arch).rope or getattr(config, "attn_logit_softcapping", None):
+    can hold one (holds_key_shift)."""
+    if not holds_key_shift(model, get_adapter(arch).rope):
         return factors
     gen = torch.Generator().manual_seed(seed)
     return [replace(f, k_mean=3 * torch.randn(len(f.qk_b), f.qk_b[0].shape[0], generator=gen, dtype=torch.float64))
