@@ -51,7 +51,9 @@ def frontier(
                                          "512).")] = 512,
     passkey: Annotated[int, typer.Option(help="Also passkey retrieval in prompts of this many tokens: the original "
                                          "and each method's best point at the target (0: skip).")] = 0,
-    calib_tokens: Annotated[int, typer.Option(help="wiki:calib tokens per calibration.")] = 8192,
+    calib_tokens: Annotated[int, typer.Option(help="--calib-text tokens per calibration.")] = 8192,
+    calib_text: Annotated[str, typer.Option(help="Text the calibrations read (a code model: "
+                                            "wiki:calib+pysrc:calib, as its export's).")] = "wiki:calib",
     sensitivity_tokens: Annotated[int, typer.Option(help="wiki:dev tokens for kvfold's layer costs.")] = 512,
     multiple: Annotated[int, typer.Option(help="Round every rank up to a multiple of this (1: any width, as "
                                           "the HF runtime's packed cache takes; 8/16 for GPU kernels).")] = 1,
@@ -66,7 +68,7 @@ def frontier(
     with user_errors():
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
                                 calib_tokens, sensitivity_tokens, multiple, json_out, png, context=context,
-                                passkey=passkey)
+                                passkey=passkey, calib_text=calib_text)
     err.print(frontier_table(report))
     if json_out is None:
         print(json.dumps(report, indent=2))

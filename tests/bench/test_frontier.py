@@ -60,8 +60,8 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
     out, png = tmp_path / "f.json", tmp_path / "f.png"
     res = CliRunner().invoke(app, [
         "frontier", "--model", model, "--method", "kvfold+fp8", "--method", "think",
-        "--eval-tokens", "1024", "--calib-tokens", "1024", "--sensitivity-tokens", "512", "--multiple", "1",
-        "--json", str(out), "--png", str(png)])
+        "--eval-tokens", "1024", "--calib-tokens", "1024", "--calib-text", "wiki:calib+pysrc:calib",
+        "--sensitivity-tokens", "512", "--multiple", "1", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     (m,) = report["models"]
@@ -73,6 +73,7 @@ def test_frontier_command_writes_json_and_png(tiny_dirs, tmp_path):
         # scored on wiki:eval+pydoc:eval by default: each point also per text, the target read on every one
         assert all(len(p["parts"]) == 2 for p in row["points"])
     assert report["eval_text"] == "wiki:eval+pydoc:eval" and "each of its texts" in report["joint_target"]
+    assert report["calib_text"] == "wiki:calib+pysrc:calib"  # a code model calibrates on code too, as its export
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json", "f.png"]  # no temp files left
 
@@ -108,6 +109,7 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     (["--eval-tokens", "512"], "at least twice --context"),
     (["--accuracy", "1.5"], "--accuracy must be in (0, 1]"),
     (["--multiple", "0"], "--multiple at least 1"),
+    (["--calib-text", "wiki:nope"], "unknown text split 'wiki:nope'"),
     (["--model", "/nonexistent"], "does not exist"),
 ])
 def test_frontier_bad_input_is_one_line_and_writes_nothing(tiny_dirs, tmp_path, args, message):

@@ -145,6 +145,7 @@ def test_zack_is_the_papers_method_as_published(setup):
     assert get_methods(["fdc"]) == [zack]  # either paper's name
     assert (zack.factors, zack.calib, zack.allocation, zack.v_scale) == ("zack", "random", "eq6", 1.0)
     assert setup.stats("random").header.options.source == "random"
+    assert setup.stats("text").header.options.text == setup.calib_text == "wiki:calib"  # --calib-text's default
     bases = [get_method("zack").basis(setup.stats("random"), i, o_proj_heads(setup.model, setup.adapter, i))
              for i in range(setup.model.config.num_hidden_layers)]
     for cand, r in zip(zack.candidates(setup), zack.grid, strict=True):

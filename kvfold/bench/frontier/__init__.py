@@ -10,6 +10,7 @@ from pathlib import Path
 from kvfold.bench.outputs import check_paths, write_outputs
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
+from kvfold.sources.text import resolve_text
 
 from .methods import get_methods
 from .plot import draw, pyplot
@@ -20,12 +21,14 @@ __all__ = ["bench_frontier"]
 
 def bench_frontier(models: list[str], methods: list[str] | None, target: float, eval_text: str, eval_tokens: int,
                    calib_tokens: int, sensitivity_tokens: int, multiple: int, json_path: Path | None,
-                   png_path: Path | None, context: int = 512, passkey: int = 0) -> dict:
+                   png_path: Path | None, context: int = 512, passkey: int = 0,
+                   calib_text: str = "wiki:calib") -> dict:
     """Run the frontier and write its JSON and PNG (each atomically; nothing is written on failure)."""
     get_methods(list(methods or []))  # bad names and paths fail before any work
     for spec in models:
         resolve_model(spec)
     check_paths(json_path, png_path)
+    resolve_text(calib_text)  # a bad text name fails before any model loads
     if context < 2 or eval_tokens < 2 * context:
         raise KVFoldError("--eval-tokens must be at least twice --context (two windows give a standard error)")
     if 0 < passkey < 256:
@@ -37,6 +40,6 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
     if png_path is not None:
         pyplot()  # a missing plotting library fails now, not after the sweep
     report = run_frontier(models, methods, target, eval_text, eval_tokens, calib_tokens, sensitivity_tokens,
-                          multiple, context=context, passkey=passkey)
+                          multiple, context=context, passkey=passkey, calib_text=calib_text)
     write_outputs(report, json_path, png_path, draw)
     return report

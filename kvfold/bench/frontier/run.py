@@ -35,7 +35,7 @@ def _ordered(names: list[str]) -> list[str]:
 
 def run_frontier(models: list[str], methods: list[str] | None, target: float, eval_text: str, eval_tokens: int,
                  calib_tokens: int, sensitivity_tokens: int, multiple: int, context: int = 512,
-                 passkey: int = 0) -> dict:
+                 passkey: int = 0, calib_text: str = "wiki:calib") -> dict:
     """Without `methods`: every method on the first model, the peers (no ablations) on the others."""
     t0 = time.perf_counter()
     results = []
@@ -43,8 +43,8 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
         names = _ordered(list(methods or (DEFAULT if i == 0 else PEERS)))
         with tempfile.TemporaryDirectory(prefix="kvfold-frontier-") as tmp:
             setup = Setup(spec, Path(tmp), eval_text=eval_text, eval_tokens=eval_tokens, calib_tokens=calib_tokens,
-                          sensitivity_tokens=sensitivity_tokens, multiple=multiple, context=context,
-                          passkey=passkey)
+                          calib_text=calib_text, sensitivity_tokens=sensitivity_tokens, multiple=multiple,
+                          context=context, passkey=passkey)
             layout = HeadLayout.from_config(setup.model.config)
             rows = sweep_model(setup, get_methods(names), target)
         results.append({
@@ -62,7 +62,7 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
         "target_top1_ratio": target,
         "joint_target": f"top-1 ratio >= {target:g} and perplexity ratio <= {1 / target:.4f} on {eval_text}"
                         + (", and on each of its texts alone" if "+" in eval_text else ""),
-        "eval_text": eval_text, "calib_text": "wiki:calib", "calib_tokens": calib_tokens,
+        "eval_text": eval_text, "calib_text": calib_text, "calib_tokens": calib_tokens,
         "sensitivity_text": "wiki:dev", "sensitivity_tokens": sensitivity_tokens, "rank_multiple": multiple,
         "bytes": "KV-cache bytes per token as a fraction of the original's at fp16",
         "models": results, "seconds": round(time.perf_counter() - t0, 1),

@@ -28,12 +28,13 @@ from .patches import ProjMap, mapped_projections
 
 __all__ = ["CALIBRATIONS", "Setup"]
 
-# name -> api.calibrate options. zdc: ZDC's sample reduction on the same text, half the windows of each
-# document group dropped and every head's vectors replaced by 64 count-weighted K-means centroids.
+# name -> api.calibrate options (the text ones read Setup.calib_text). zdc: ZDC's sample reduction on the same
+# text, half the windows of each document group dropped and every head's vectors replaced by 64 count-weighted
+# K-means centroids.
 CALIBRATIONS = {
-    "text": dict(source="text", text="wiki:calib"),
+    "text": dict(source="text"),
     "random": dict(source="random"),
-    "zdc": dict(source="text", text="wiki:calib", prune_fraction=0.5, kmeans=64),
+    "zdc": dict(source="text", prune_fraction=0.5, kmeans=64),
 }
 
 
@@ -44,6 +45,7 @@ class Setup:
     eval_text: str = "wiki:eval"
     eval_tokens: int = 6144
     calib_tokens: int = 8192
+    calib_text: str = "wiki:calib"  # what the text calibrations read (a code model: e.g. wiki:calib+pysrc:calib)
     sensitivity_tokens: int = 512  # wiki:dev: costs are never measured on the text that is scored
     multiple: int = 1
     context: int = 512  # the scored windows' length (calibration and sensitivity windows stay at seq_len)
@@ -107,8 +109,10 @@ class Setup:
     def stats(self, calib: str) -> CalibStats:
         def build():
             out = self.workdir / f"calib-{calib}"
-            api.calibrate(self.spec, out, tokens=self.calib_tokens, seq_len=self.seq_len, force=True,
-                          **CALIBRATIONS[calib])
+            options = dict(CALIBRATIONS[calib])
+            if options["source"] == "text":
+                options["text"] = self.calib_text
+            api.calibrate(self.spec, out, tokens=self.calib_tokens, seq_len=self.seq_len, force=True, **options)
             return CalibStats.load(out)
 
         return self.once(("stats", calib), build)
@@ -116,7 +120,7 @@ class Setup:
     def calib_sequences(self) -> Sequences:
         """The windows the text calibration read (same tokenizer, text, count and seed)."""
         return self.once("calib_seqs", lambda: text_sequences(
-            self.tokenizer, resolve_text("wiki:calib"), self.calib_tokens, self.seq_len, seed=0))
+            self.tokenizer, resolve_text(self.calib_text), self.calib_tokens, self.seq_len, seed=0))
 
     def bases(self, factor: str, calib: str) -> list[LayerBasis]:
         def build():
