@@ -20,7 +20,7 @@ from kvfold.measure.evaluate import Evaluator, Reference, score_model
 from kvfold.measure.metrics import Metrics
 from kvfold.measure.passkey import passkey_answers, passkey_prompts, passkey_summary
 from kvfold.plan.sensitivity import LayerScales, measure_scales
-from kvfold.sources.models import ModelRef, load_model, resolve_model, source_dtype
+from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
@@ -59,9 +59,7 @@ class Setup:
 
     def __post_init__(self) -> None:
         self.ref = resolve_model(self.spec)
-        # scored in the checkpoint's own dtype, as export's search scores (bfloat16 for Qwen2.5-Coder, float32
-        # for SmolLM2's converted folder)
-        self.model = load_model(self.ref, source_dtype(self.ref))
+        self.model = load_model(self.ref)
         self.tokenizer = load_tokenizer(self.ref.path)
         # 512-token windows, or the model's whole context if shorter
         limit = getattr(self.model.config, "max_position_embeddings", None) or 512
