@@ -136,8 +136,8 @@ def tiny_bits_exports(tiny_dirs, tmp_path_factory) -> dict[str, TinyExport]:
 
 @pytest.fixture(scope="session")
 def wide_exports(tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
-    """(architecture, "uneven" | "balanced" | "bits") -> a tiny export of WIDE's shape (4 KV heads), built once per
-    run."""
+    """(architecture, "uneven" | "balanced" | "bits") -> a tiny export of WIDE's shape (4 KV heads) with a seeded
+    key shift (each tensor-parallel rank loads its own heads' part), built once per run."""
     root = tmp_path_factory.mktemp("wide")
     out = {}
     for arch in WIDE_ARCHS:
@@ -147,7 +147,9 @@ def wide_exports(tmp_path_factory) -> dict[tuple[str, str], TinyExport]:
         model.save_pretrained(source)
         tiny_tokenizer().save_pretrained(source)
         for ranks in ("uneven", "balanced"):
-            out[arch, ranks] = write_export(arch, source, root / f"{arch}-{ranks}", ranks, overrides=WIDE)
+            out[arch, ranks] = write_export(arch, source, root / f"{arch}-{ranks}", ranks, overrides=WIDE,
+                                            key_shift=True)
         # bits format, every head at full width in 8-, 4- and 2-bit bands: equal bytes on every rank
-        out[arch, "bits"] = write_export(arch, source, root / f"{arch}-bits", "full", bits="low", overrides=WIDE)
+        out[arch, "bits"] = write_export(arch, source, root / f"{arch}-bits", "full", bits="low", overrides=WIDE,
+                                         key_shift=True)
     return out
