@@ -46,13 +46,14 @@ def prepare(model: str) -> Path:
 def perplexity(model: str, texts: list[str], tokens: int, dtype: str | None = None,
                seq_len: int = 512) -> dict[str, tuple[float, float]]:
     """The model's own perplexity and next-token top-1 accuracy on `tokens` of each text, in `seq_len`-token
-    windows (the export search's), in `dtype` (default: the checkpoint's): a sanity check of a converted model."""
+    windows (the export search's), in `dtype` (default: the checkpoint's where this CPU runs it fast, else
+    float32): a sanity check of a converted model."""
     from kvfold.measure.evaluate import score_model
-    from kvfold.sources.models import source_dtype
+    from kvfold.sources.models import fast_dtype, source_dtype
 
     ref = resolve_model(model)
     tokenizer = load_tokenizer(ref.path)
-    net = load_model(ref, dtype or source_dtype(ref))
+    net = load_model(ref, dtype or fast_dtype(source_dtype(ref)))
     out = {}
     for text in texts:
         metrics = score_model(net, text_sequences(tokenizer, resolve_text(text), tokens, seq_len, seed=0), batch=4)
