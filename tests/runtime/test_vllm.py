@@ -291,8 +291,17 @@ def test_bench_serve_prints_capacity_and_workload(smollm2_exports, tmp_path):
     original, exported = runs["original"], runs["export:p10"]
     assert report["workloads"]["cache_limited"]["limits_original"] and exported["capacity_target_met"]
     assert exported["vs_original"]["kv_token_capacity"] >= 0.97 / (1 - exported["compression_p"])
-    assert runs["fp8"]["runs"] and runs["fp8"]["vs_original"]["kv_token_capacity"] >= 3.9  # 1 byte for 4
-    for run in runs.values():
+    if _cpu_has_avx512_or_amx():
+        assert runs["fp8"]["runs"] and runs["fp8"]["vs_original"]["kv_token_capacity"] >= 3.9  # 1 byte for 4
+    else:  # vLLM's CPU attention refuses an fp8 cache there (cpu_attn._get_attn_isa): reported with why, not run
+        assert not runs["fp8"]["runs"] and "AVX-512" in runs["fp8"]["reason"], runs["fp8"]
+    for run in (run for run in runs.values() if run["runs"]):
         assert run["cache_limited"]["generated_tokens"] == 6 * 8 and run["cache_limited"]["peak_running_requests"] >= 1
         assert run["long_context"]["decode_tokens"] == 7 and run["long_context"]["decode_tokens_per_s"] > 0
     assert exported["cache_limited"]["peak_running_requests"] >= original["cache_limited"]["peak_running_requests"]
+
+
+def _cpu_has_avx512_or_amx() -> bool:
+    """Whether vLLM's CPU attention can hold an fp8 cache on this machine: its own test, on torch's public list."""
+    capabilities = torch.cpu.get_capabilities()
+    return bool(capabilities.get("avx512_f") or capabilities.get("amx_tile"))
