@@ -38,33 +38,44 @@ def test_prepare_checks_the_conversion_by_perplexity(qwen):
     assert set(ppl) == {"wiki:eval", "pysrc:eval"} and ppl["pysrc:eval"] < 7 and ppl["wiki:eval"] < 13, ppl
 
 
-# small sizes: 4,096 calibration tokens, 2,048 search tokens. Targets the mildest point meets at these sizes (the
-# bits format's mildest point misses 0.99 on this model even at 16,384 calibration tokens: docs/results.md)
-@pytest.mark.parametrize(("fmt", "accuracy"), [("rank", "0.97"), ("bits", "0.9")])
-def test_calibrate_export_verify(qwen, tmp_path, fmt, accuracy):
-    runner = CliRunner()
-    calib, out = tmp_path / "calib", tmp_path / "export"
-    common = ["--dtype", fast_dtype("bfloat16")]
-    done = runner.invoke(app, ["calibrate", ALIAS, "--text", "wiki:calib+pysrc:calib", "--tokens", "4096",
-                               "-o", str(calib), *common])
+# Small sizes: the 1.5B model runs in float32 on CI's AVX2-only CPUs (~30 s per 512-token window on 2 cores), so
+# one calibration serves every test, the rank export is made for a compression (one scored point: Qwen's rank
+# format keeps p ≈ 0.012 at 0.99, docs/results.md) and the bits export's search and the verifies read one
+# 512-token window each. The rank export is verified on its search's own window (the baked weights must give the
+# figures the search recorded), the bits export on held-out text (its target must hold there).
+@pytest.fixture(scope="module")
+def calib(qwen, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen") / "calib"
+    done = CliRunner().invoke(app, ["calibrate", ALIAS, "--text", "wiki:calib+pysrc:calib", "--tokens", "2048",
+                                    "-o", str(out), "--dtype", fast_dtype("bfloat16")])
     assert done.exit_code == 0, done.output
-    done = runner.invoke(app, ["export", ALIAS, "--calib", str(calib), "--format", fmt, "--accuracy", accuracy,
-                               "--eval-text", "wiki:dev+pysrc:dev", "--eval-tokens", "2048", "--passkey", "0",
+    return out
+
+
+@pytest.mark.parametrize(("fmt", "goal", "verify_text", "check"),
+                         [("rank", ["--ratio", "0.02"], "pysrc:dev", "fidelity pysrc:dev"),
+                          ("bits", ["--accuracy", "0.9", "--margin", "0"], "pysrc:eval", "target pysrc:eval")])
+def test_calibrate_export_verify(calib, tmp_path, fmt, goal, verify_text, check):
+    runner = CliRunner()
+    out = tmp_path / "export"
+    common = ["--dtype", fast_dtype("bfloat16")]
+    done = runner.invoke(app, ["export", ALIAS, "--calib", str(calib), "--format", fmt, *goal,
+                               "--eval-text", "pysrc:dev", "--eval-tokens", "512", "--passkey", "0",
                                "-o", str(out), *common])
     assert done.exit_code == 0, done.output
     manifest = Manifest.load(out)
     assert len(manifest.d_k) == 28 and all(len(layer) == 2 for layer in manifest.d_k)
     assert all(1 <= w <= 128 for layer in manifest.d_k + manifest.d_v for w in layer)
-    done = runner.invoke(app, ["verify", str(out), "--eval-text", "pysrc:eval", "--eval-tokens", "1024",
+    done = runner.invoke(app, ["verify", str(out), "--eval-text", verify_text, "--eval-tokens", "512",
                                "--passkey", "0", "--json", *common])
     report = json.loads(done.stdout)
-    checks = {c["name"]: c for c in report["checks"]}
-    assert "target pysrc:eval" in checks and checks["target pysrc:eval"]["ok"], checks
-    assert done.exit_code == 0, report
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert check in {c["name"] for c in report["checks"]} and not failed, failed
+    assert done.exit_code == 0
 
 
 @pytest.mark.vllm
-def test_tensor_parallel_2_in_vllm_gives_one_workers_tokens(qwen, tmp_path):
+def test_tensor_parallel_2_in_vllm_gives_one_workers_tokens(qwen, calib, tmp_path):
     """Qwen2.5-Coder's 2 KV heads, one per rank: an export balanced for --tp 2 (a compression target: no search
     to run) serves at tensor_parallel_size=2 with the greedy tokens it gives on one worker (8 pysrc:eval prompts ×
     32 tokens, float32), and each rank's pool holds twice the tokens of one worker's at the same budget."""
@@ -74,13 +85,9 @@ def test_tensor_parallel_2_in_vllm_gives_one_workers_tokens(qwen, tmp_path):
     from kvfold_runtime.sharding import padding_fraction
     from tests.runtime.vllm_engine import run_engine
 
-    runner = CliRunner()
-    calib, out = tmp_path / "calib", tmp_path / "export"
-    done = runner.invoke(app, ["calibrate", ALIAS, "--text", "wiki:calib+pysrc:calib", "--tokens", "2048",
-                               "--dtype", fast_dtype("bfloat16"), "-o", str(calib)])
-    assert done.exit_code == 0, done.output
-    done = runner.invoke(app, ["export", ALIAS, "--calib", str(calib), "--ratio", "0.05", "--tp", "2",
-                               "--eval-tokens", "512", "--dtype", fast_dtype("bfloat16"), "-o", str(out)])
+    out = tmp_path / "export"
+    done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--ratio", "0.05", "--tp", "2",
+                                    "--eval-tokens", "512", "--dtype", fast_dtype("bfloat16"), "-o", str(out)])
     assert done.exit_code == 0, done.output
     manifest = Manifest.load(out)
     layers = ConfigBlock(manifest.d_k, manifest.d_v, True).layers(12, 2)

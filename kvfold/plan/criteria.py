@@ -36,11 +36,12 @@ class Bound:
     upper: bool  # True: value ≤ limit; False: value ≥ limit
 
     def slack(self, point, margin: float) -> float:
-        """≥ 0 when met: the distance to the limit after moving `margin` standard errors against it."""
+        """≥ 0 when met: the distance to the limit after moving `margin` standard errors against it. A figure
+        from one text window has no standard error (nan): it is held to the limit itself."""
         value, se = getattr(point, self.name), getattr(point, self.se)
         if math.isnan(value):
             return -math.inf
-        moved = value + (margin * se if margin else 0.0) * (1 if self.upper else -1)
+        moved = value + (margin * se if margin and not math.isnan(se) else 0.0) * (1 if self.upper else -1)
         return self.limit - moved if self.upper else moved - self.limit
 
     def describe(self) -> str:

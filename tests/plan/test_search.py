@@ -42,6 +42,14 @@ def test_margin_picks_a_safer_point():
     assert safe.top1_ratio - 2.0 * safe.top1_se >= 0.99
 
 
+def test_a_figure_without_standard_error_is_held_to_the_limit_itself():
+    """One 512-token window gives no standard error: verify's held-out allowance (margin −2) and a margin alike
+    then read the figure as it is, not as nan (which would fail every bound)."""
+    one_window = Point(1.0, 1.0, 0.5, 0.95, 1.05, math.nan, math.nan)
+    assert Target("joint", 0.9).met(one_window, margin=-2.0) and Target("joint", 0.9).met(one_window, margin=1.0)
+    assert not Target("joint", 0.96).met(one_window, margin=-2.0)
+
+
 def test_search_finds_the_largest_compression_meeting_the_target():
     best, curve = search_rate(_plan, _score(0.2), Target("top1", 0.99), lambda r: RankRule(r, r))
     assert best.top1_ratio >= 0.99 and 0.17 < best.compression <= 0.2
