@@ -295,7 +295,7 @@ def test_bench_serve_prints_capacity_and_workload(smollm2_exports, tmp_path):
         assert runs["fp8"]["runs"] and runs["fp8"]["vs_original"]["kv_token_capacity"] >= 3.9  # 1 byte for 4
     else:  # vLLM's CPU attention refuses an fp8 cache there (cpu_attn._get_attn_isa): reported with why, not run
         assert not runs["fp8"]["runs"] and "AVX-512" in runs["fp8"]["reason"], runs["fp8"]
-    for run in (run for run in runs.values() if run["runs"]):
+    for run in [r for r in runs.values() if r["runs"]]:
         assert run["cache_limited"]["generated_tokens"] == 6 * 8 and run["cache_limited"]["peak_running_requests"] >= 1
         assert run["long_context"]["decode_tokens"] == 7 and run["long_context"]["decode_tokens_per_s"] > 0
     assert exported["cache_limited"]["peak_running_requests"] >= original["cache_limited"]["peak_running_requests"]
