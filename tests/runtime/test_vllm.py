@@ -252,12 +252,13 @@ def test_smollm2_in_vllm(smollm2_exports):
 
 @pytest.mark.slow
 def test_smollm2_pipeline_parallel(smollm2_exports):
-    """PP = 2 (vLLM's multiprocessing executor, one core per stage): the rank and bits exports give the greedy
-    tokens they give on one worker, 8 wiki:eval prompts × 32 tokens, float32. Both compiled: vLLM 0.32's CPU
+    """PP = 2 (vLLM's multiprocessing executor, one core per stage): the bits export gives the greedy tokens it
+    gives on one worker, 8 wiki:eval prompts × 32 tokens, float32 (the rank format under PP 2:
+    test_vllm_parallel.py; four compiled engines took 13 min on CI's CPU class). Both compiled: vLLM 0.32's CPU
     worker skips the warm-up that allocates the later stages' buffers when eager with kv_cache_memory_bytes."""
     e = smollm2_exports
     prompts = _wiki_prompts(e["orig"])
-    for name in ("p10", "bits"):
+    for name in ("bits",):
         one, two = (run_engine(e[name], prompts, kv_cache_bytes=64 << 20, max_model_len=512, eager=False,
                                pipeline_parallel=pp) for pp in (1, 2))
         assert "error" not in one and "error" not in two, (name, one.get("error"), two.get("error"))
