@@ -258,12 +258,11 @@ def test_smollm2_pipeline_parallel(smollm2_exports):
     worker skips the warm-up that allocates the later stages' buffers when eager with kv_cache_memory_bytes."""
     e = smollm2_exports
     prompts = _wiki_prompts(e["orig"])
-    for name in ("bits",):
-        one, two = (run_engine(e[name], prompts, kv_cache_bytes=64 << 20, max_model_len=512, eager=False,
-                               pipeline_parallel=pp) for pp in (1, 2))
-        assert "error" not in one and "error" not in two, (name, one.get("error"), two.get("error"))
-        assert two["tokens"] == one["tokens"], [first_divergence(a, b) for a, b in zip(two["tokens"], one["tokens"],
-                                                                                       strict=True)]
+    one, two = (run_engine(e["bits"], prompts, kv_cache_bytes=64 << 20, max_model_len=512, eager=False,
+                           pipeline_parallel=pp) for pp in (1, 2))
+    assert "error" not in one and "error" not in two, (one.get("error"), two.get("error"))
+    assert two["tokens"] == one["tokens"], [first_divergence(a, b) for a, b in zip(two["tokens"], one["tokens"],
+                                                                                   strict=True)]
 
 
 @pytest.mark.slow
