@@ -237,48 +237,62 @@ void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride,
     }
 }
 
-/* Sixteen floats as one vector; loads and stores through memcpy, which compiles to one unaligned move. */
-typedef float f32x16 __attribute__((vector_size(64)));
-static inline f32x16 load16(const float *p) {
-    f32x16 v;
+/* The attention's arithmetic runs on the CPU's own vector width, VW floats: 16 with AVX-512, 8 with AVX, else 4.
+ * A 64-byte vector type on an AVX2 CPU is split into halves that GCC passes through the stack and general
+ * registers: one SmolLM2 rank layer's attention at 4K tokens took 4.7 ms on one thread of an AVX2-only EPYC,
+ * 1.1 ms at its own width. Widths are padded to 16, a multiple of each. Loads and stores go through memcpy,
+ * which compiles to one unaligned move. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+static inline vf loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
-static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* e^x of sixteen x ≤ 0 at once (Cephes' expf: e^x = 2^n · e^r, |r| ≤ ln2/2, a degree-6 polynomial, ~2 ulp;
+/* e^x of VW x ≤ 0 at once (Cephes' expf: e^x = 2^n · e^r, |r| ≤ ln2/2, a degree-6 polynomial, ~2 ulp;
  * below −87 the result is ~1e-38 instead of smaller: a weight nothing adds up to). glibc's expf one at a
  * time was a sixth of the decode attention's time. */
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-static inline f32x16 exp16(f32x16 x) {
-    i32x16 low = x < -87.0f;
-    x = (f32x16)((low & (i32x16)(x * 0.0f - 87.0f)) | (~low & (i32x16)x));
-    f32x16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): add and take 2^23·1.5 */
-    f32x16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    f32x16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+static inline vf expv(vf x) {
+    vi low = x < -87.0f;
+    x = (vf)((low & (vi)(x * 0.0f - 87.0f)) | (~low & (vi)x));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): add and take 2^23·1.5 */
+    vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
-    i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return p * (f32x16)two_n;
+    vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)two_n;
 }
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
-/* The sum of a vector's sixteen lanes, as a tree. */
-static inline float sum16(f32x16 v) {
-    f32x8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    lo += hi;
-    f32x4 l4, h4;
-    memcpy(&l4, &lo, sizeof l4);
-    memcpy(&h4, (const char *)&lo + sizeof l4, sizeof h4);
-    l4 += h4;
+/* The sum of a vector's lanes, as a tree (halves added, in registers). */
+static inline float sumv(vf v) {
+#if VW == 16
+    f32x8 e = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif VW == 8
+    f32x8 e = v;
+#endif
+#if VW >= 8
+    f32x4 l4 = __builtin_shufflevector(e, e, 0, 1, 2, 3) + __builtin_shufflevector(e, e, 4, 5, 6, 7);
+#else
+    f32x4 l4 = v;
+#endif
     return (l4[0] + l4[2]) + (l4[1] + l4[3]);
 }
 
@@ -301,7 +315,7 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
      * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
      * keys (values) are decoded at once into kbuf (vbuf) [block_size, padded]; w [group, block_size].
-     * Every product runs over whole sixteen-float vectors: the widths rounded up to 16 (kp, vp), the queries'
+     * Every product runs over whole vectors: the widths rounded up to 16 (kp, vp; a multiple of VW), the queries'
      * copy qpad [group, kp] and kbuf's columns [d_k, kp) zero (a decode writes [0, d_k) only; a wider head may
      * have left numbers there, NaN from an unwritten row among them, and 0 · NaN is NaN), the sums kept at the
      * padded width in accpad [group, vp] (its columns past d_v, whatever vbuf held there, are dropped). An
@@ -320,10 +334,10 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         const uint8_t *block = blocks + ids[b] * block_bytes, *seen = valid + b * block_size;
         if (b + 1 < last_block) { /* the next block is elsewhere in the cache: its lines fetched meanwhile */
             const uint8_t *next = blocks + ids[b + 1] * block_bytes;
-            for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(next + at);
+            for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(next + at, 0, 1);
         }
-        int any = 0;
-        for (int64_t r = 0; r < block_size; r++) any |= seen[r];
+        int any = 0, all = 1;
+        for (int64_t r = 0; r < block_size; r++) any |= seen[r], all &= seen[r] != 0;
         if (!any) continue;
         decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, padded);
         for (int32_t j = 0; j < group; j++) {
@@ -332,26 +346,26 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
             for (int64_t r = 0; r < block_size; r++) {
                 if (!seen[r]) continue;
                 const float *kr = kbuf + r * padded;
-                f32x16 part = {0};
-                for (int32_t c = 0; c < kp; c += 16) part += load16(qj + c) * load16(kr + c);
-                float dot = sum16(part);
+                vf part = {0};
+                for (int32_t c = 0; c < kp; c += VW) part += loadv(qj + c) * loadv(kr + c);
+                float dot = sumv(part);
                 w[j * block_size + r] = dot;
                 m = dot > m ? dot : m;
             }
             if (m > top[j]) { /* a larger score: the sums so far rescaled to it */
                 float shrink = expf(top[j] - m); /* 0 before the first row */
                 total[j] *= shrink;
-                for (int32_t c = 0; c < vp; c += 16) store16(accpad + j * vp + c, load16(accpad + j * vp + c) * shrink);
+                for (int32_t c = 0; c < vp; c += VW) storev(accpad + j * vp + c, loadv(accpad + j * vp + c) * shrink);
                 top[j] = m;
             }
             int64_t r = 0;
-            for (; r + 16 <= block_size; r += 16) { /* sixteen rows' weights at once; rows not seen weigh 0 */
-                u8x16 seen16;
-                memcpy(&seen16, seen + r, sizeof seen16);
-                i32x16 keep = __builtin_convertvector(seen16, i32x16) != 0;
-                f32x16 e = (f32x16)((i32x16)exp16(load16(w + j * block_size + r) - m) & keep);
-                store16(w + j * block_size + r, e);
-                total[j] += sum16(e);
+            for (; r + VW <= block_size; r += VW) { /* VW rows' weights at once; rows not seen weigh 0 */
+                vu8 seen_v;
+                memcpy(&seen_v, seen + r, sizeof seen_v);
+                vi keep = __builtin_convertvector(seen_v, vi) != 0;
+                vf e = (vf)((vi)expv(loadv(w + j * block_size + r) - m) & keep);
+                storev(w + j * block_size + r, e);
+                total[j] += sumv(e);
             }
             for (; r < block_size; r++) {
                 float e = seen[r] ? expf(w[j * block_size + r] - m) : 0.0f;
@@ -361,14 +375,25 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         }
         decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, padded);
         for (int32_t j = 0; j < group; j++) {
-            /* Sixteen dims of the sum at a time over the block's rows, as one vector (GCC's vector types: one
-             * AVX-512 register, two AVX2 ones), which stays in a register for the whole block. */
+            /* VW dims of the sum at a time over the block's rows, in vector registers that stay in place for
+             * the whole block. A block every row of which is seen takes four rows at a time into four sums: one
+             * sum's chain of dependent adds (4 cycles each) was 38% of a rank layer's attention. */
             float *aj = accpad + j * vp;
-            for (int32_t c = 0; c < vp; c += 16) {
-                f32x16 part = load16(aj + c);
-                for (int64_t r = 0; r < block_size; r++)
-                    if (seen[r]) part += w[j * block_size + r] * load16(vbuf + r * padded + c);
-                store16(aj + c, part); /* an unwritten row may hold NaN bytes: never multiplied */
+            const float *wj = w + j * block_size;
+            for (int32_t c = 0; c < vp; c += VW) {
+                vf part = loadv(aj + c), p1 = {0}, p2 = {0}, p3 = {0};
+                int64_t r = 0;
+                if (all)
+                    for (; r + 4 <= block_size; r += 4) {
+                        const float *vr = vbuf + r * padded + c;
+                        part += wj[r] * loadv(vr);
+                        p1 += wj[r + 1] * loadv(vr + padded);
+                        p2 += wj[r + 2] * loadv(vr + 2 * padded);
+                        p3 += wj[r + 3] * loadv(vr + 3 * padded);
+                    }
+                for (; r < block_size; r++)
+                    if (seen[r]) part += wj[r] * loadv(vbuf + r * padded + c);
+                storev(aj + c, (part + p1) + (p2 + p3)); /* an unwritten row may hold NaN bytes: never multiplied */
             }
         }
     }
