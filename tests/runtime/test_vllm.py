@@ -174,7 +174,8 @@ def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_bits_exp
             "gemma2": lambda: tiny_exports["Gemma2ForCausalLM", "full"].path,
             "bits with fp8": lambda: bits,
             "bits table vs tensors": lambda: _tampered(bits, tmp_path / "x", _band_table_off_by_a_dim)}[case]()
-    got = run_engine(path, _prompts(1), max_tokens=2, kv_cache_dtype="fp8" if case == "bits with fp8" else "auto")
+    got = run_engine(path, _prompts(1), max_tokens=2, kv_cache_dtype="fp8" if case == "bits with fp8" else "auto",
+                     own_processes=True)  # as `vllm serve` runs: the engine core logs the refusal
     assert "error" in got
     lines = [ln for ln in got["output"].splitlines() if "ERROR" in ln and "kvfold: " in ln]
     assert lines, got["output"][-3000:]
@@ -222,7 +223,8 @@ def test_smollm2_in_vllm(smollm2_exports):
     e = smollm2_exports
     prompts = _wiki_prompts(e["orig"])
     budget = 64 << 20
-    runs = {name: run_engine(e[name], prompts, kv_cache_bytes=budget, max_model_len=512)
+    runs = {name: run_engine(e[name], prompts, kv_cache_bytes=budget, max_model_len=512,
+                             own_processes=name in ("p10", "bits"))  # the exports as `vllm serve` runs them
             for name in ("orig", "full", "p10", "bits")}
     runs["orig, no plugin"] = run_engine(e["orig"], prompts, kv_cache_bytes=budget, max_model_len=512, plugins="")
     for name, run in runs.items():
@@ -248,21 +250,6 @@ def test_smollm2_in_vllm(smollm2_exports):
     bits = page_bytes(e["bits"], 1)
     assert runs["bits"]["kv_blocks"] == budget // page_bytes(e["bits"], runs["bits"]["block_size"])
     assert capacity["bits"] / capacity["orig"] >= 0.97 * original / bits
-
-
-@pytest.mark.slow
-def test_smollm2_pipeline_parallel(smollm2_exports):
-    """PP = 2 (vLLM's multiprocessing executor, one core per stage): the bits export gives the greedy tokens it
-    gives on one worker, 8 wiki:eval prompts × 32 tokens, float32 (the rank format under PP 2:
-    test_vllm_parallel.py; four compiled engines took 13 min on CI's CPU class). Both compiled: vLLM 0.32's CPU
-    worker skips the warm-up that allocates the later stages' buffers when eager with kv_cache_memory_bytes."""
-    e = smollm2_exports
-    prompts = _wiki_prompts(e["orig"])
-    one, two = (run_engine(e["bits"], prompts, kv_cache_bytes=64 << 20, max_model_len=512, eager=False,
-                           pipeline_parallel=pp) for pp in (1, 2))
-    assert "error" not in one and "error" not in two, (one.get("error"), two.get("error"))
-    assert two["tokens"] == one["tokens"], [first_divergence(a, b) for a, b in zip(two["tokens"], one["tokens"],
-                                                                                   strict=True)]
 
 
 @pytest.mark.slow

@@ -48,6 +48,16 @@ def test_tp2_and_pp2_give_tp1s_tokens(wide_exports):
     assert pp2["kv_blocks"] == min(BUDGET // s for s in stages)
 
 
+def test_pp2_serves_a_bits_export_as_transformers_does(wide_exports):
+    """Band rows under pipeline parallelism (one layer per stage): the transformers runtime's greedy tokens.
+    Compiled, as the rank format's PP 2 above (a real-model PP 2 test, SmolLM2's bits export compiled at PP 1 and
+    PP 2, took 335 s of CI's time for what this tiny one checks)."""
+    path = wide_exports["LlamaForCausalLM", "bits"].path
+    got = _tokens(run_engine(path, PROMPTS, kv_cache_bytes=BUDGET, pipeline_parallel=2, eager=False))
+    want = hf_greedy(path, PROMPTS, 32)
+    assert got == want, [first_divergence(a, b) for a, b in zip(got, want, strict=True)]
+
+
 @pytest.mark.parametrize(("arch", "kind"), [("MistralForCausalLM", "uneven"), ("Qwen2ForCausalLM", "uneven"),
                                            ("LlamaForCausalLM", "bits")])  # a sliding window; biases; band rows
 def test_tp2_gives_the_transformers_tokens(wide_exports, arch, kind):
