@@ -65,11 +65,18 @@ def expected_kv_bytes(original_cache, block: ConfigBlock) -> int:
     return total
 
 
-def _generate(model, tokenizer, ids: torch.Tensor, new_tokens: int) -> list[int]:
+def _generate(model, tokenizer, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts [N, T] in one batch, each cut after its first end-of-sequence
+    token (where generate stops a prompt of its own). One batch: a CPU's decode step reads every weight whatever
+    the batch, so four prompts together took a fourth of the time (Qwen2.5-Coder-1.5B: 135 s one by one)."""
     with torch.inference_mode():
-        out = model.generate(ids.to(model.device), max_new_tokens=new_tokens, do_sample=False,
+        ids = prompts.to(model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=tokenizer.eos_token_id)
-    return out[0, ids.shape[1]:].cpu().tolist()
+    eos = model.generation_config.eos_token_id
+    stops = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    rows = out[:, prompts.shape[1]:].cpu().tolist()
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in rows]
 
 
 def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> list[bool]:
@@ -194,9 +201,12 @@ def _generation(m: Manifest, tokenizer, original, served, windows, new_tokens: i
     runs, forced = [], []
     stream = torch.cat(windows.ids)
     step = max(1, (len(stream) - PROMPT_TOKENS) // PROMPTS)
-    for start in range(0, step * PROMPTS, step):  # prompts spread over the text, whatever its window count
-        prompt = stream[None, start:start + PROMPT_TOKENS]
-        a, b = _generate(original, tokenizer, prompt, new_tokens), _generate(served, tokenizer, prompt, new_tokens)
+    # prompts spread over the text, whatever its window count
+    pieces = [stream[start:start + PROMPT_TOKENS] for start in range(0, step * PROMPTS, step)]
+    prompts = torch.stack([p[:min(len(p) for p in pieces)] for p in pieces])  # one length (a short text's are cut)
+    originals, exported = _generate(original, tokenizer, prompts, new_tokens), _generate(served, tokenizer, prompts,
+                                                                                         new_tokens)
+    for prompt, a, b in zip(prompts[:, None], originals, exported, strict=True):
         diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if diverge is None and len(a) != len(b):  # one stopped at EOS
             diverge = min(len(a), len(b))
