@@ -204,9 +204,10 @@ def _generation(m: Manifest, tokenizer, original, served, windows, new_tokens: i
     step = max(1, (len(stream) - PROMPT_TOKENS) // PROMPTS)
     # prompts spread over the text, whatever its window count
     pieces = [stream[start:start + PROMPT_TOKENS] for start in range(0, step * PROMPTS, step)]
-    prompts = torch.stack([p[:min(len(p) for p in pieces)] for p in pieces])  # one length (a short text's are cut)
-    originals, exported = _generate(original, tokenizer, prompts, new_tokens), _generate(served, tokenizer, prompts,
-                                                                                         new_tokens)
+    length = min(len(piece) for piece in pieces)  # one length for the batch (a short text's pieces are cut)
+    prompts = torch.stack([piece[:length] for piece in pieces])
+    originals = _generate(original, tokenizer, prompts, new_tokens)
+    exported = _generate(served, tokenizer, prompts, new_tokens)
     for prompt, a, b in zip(prompts[:, None], originals, exported, strict=True):
         diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if diverge is None and len(a) != len(b):  # one stopped at EOS

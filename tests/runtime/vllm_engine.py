@@ -38,10 +38,11 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
                 "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel, "eager": eager,
                 "out": str(out)}
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-        if tensor_parallel * pipeline_parallel == 1 and not own_processes:
+        workers = tensor_parallel * pipeline_parallel
+        if workers == 1 and not own_processes:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if tensor_parallel * pipeline_parallel > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tensor_parallel * pipeline_parallel)
+        if workers > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins  # vLLM loads only the general plugins named here
         done = run_isolated([sys.executable, "-m", "tests.runtime.vllm_engine", json.dumps(args)], cwd=REPO, env=env,
