@@ -140,6 +140,8 @@ def verify(
                                               "longer windows test the cache at long context.")] = 512,
     passkey: Annotated[int, typer.Option(help="Passkey retrieval in prompts of this many tokens: the export must "
                                               "retrieve as many keys as the original (0: skip).")] = 4096,
+    new_tokens: Annotated[int, typer.Option(help="Greedy tokens both models generate from each of a few prompts "
+                                                 "of the first text, compared.")] = 32,
     dtype: Annotated[str, typer.Option(help="Dtype both models run in: float32, bfloat16 or float16.")] = "float32",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -152,7 +154,7 @@ def verify(
     with user_errors():
         report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
                             eval_tokens=eval_tokens, context=context, passkey=passkey, dtype=dtype,
-                            device=device)
+                            device=device, new_tokens=new_tokens)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -112,6 +112,15 @@ def test_not_a_kvfold_directory_is_bad_input(tiny_dirs, exported, tmp_path):
     assert_user_error(_verify(tmp_path / "nowhere", exported[1]), "is not a directory")
 
 
+def test_new_tokens_sets_the_generations_length(exported):
+    """--new-tokens: the greedy tokens each prompt generates in both models (the real-model tests shorten it)."""
+    result = _verify(*exported, "--new-tokens", 5)
+    assert result.exit_code == 0, result.output
+    gen = json.loads(result.stdout)["generation"]
+    assert all(r["new_tokens"] == 5 for r in gen["runs"]) and gen["forced_tokens"] == 4 * 5
+    assert_user_error(_verify(*exported, "--new-tokens", 0), "--new-tokens must be at least 1")
+
+
 def test_against_another_model_fails(exported, tiny_dirs):
     failed = _failed(_verify(*exported, "--against", tiny_dirs["Qwen2ForCausalLM"]))
     assert "is not the model this was exported from" in failed["against"]

@@ -19,10 +19,11 @@ DEFAULT_TEXTS = ("wiki:eval", "pydoc:eval")  # held-out text of the search's dom
 
 def verify(export: Path, against: str | None = None, eval_texts: list[str] | tuple[str, ...] = DEFAULT_TEXTS,
            eval_tokens: int = 16384, context: int = SEARCH_CONTEXT, passkey: int = 4096,
-           dtype: str = "float32", device: str = "auto") -> VerifyReport:
-    """Scores `eval_tokens` of each text in windows of `context` tokens, and passkey retrieval in prompts
-    of `passkey` tokens (0: skip), both models in `dtype` on `device`. Raises KVFoldError for bad input (not
-    an export, source model not found); failed checks are in the report."""
+           dtype: str = "float32", device: str = "auto", new_tokens: int = 32) -> VerifyReport:
+    """Scores `eval_tokens` of each text in windows of `context` tokens, passkey retrieval in prompts of
+    `passkey` tokens (0: skip) and `new_tokens` greedy tokens of a few prompts, both models in `dtype` on
+    `device`. Raises KVFoldError for bad input (not an export, source model not found); failed checks are in
+    the report."""
     export = Path(export)
     if not export.is_dir():
         raise KVFoldError(f"'{export}' is not a directory; pass the output of kvfold export")
@@ -32,6 +33,8 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
         raise KVFoldError("--context must be at least 2 tokens")
     if 0 < passkey < 256:
         raise KVFoldError("--passkey must be 0 (skip) or at least 256 tokens")
+    if new_tokens < 1:
+        raise KVFoldError("--new-tokens must be at least 1")
     if not eval_texts:
         raise KVFoldError("give at least one --eval-text")
     if dtype not in DTYPES:
@@ -50,5 +53,5 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
     ref = resolve_model(spec)
     report.against = str(ref.path)
     serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens, context, passkey,
-                   dtype=dtype, device=device)
+                   new_tokens=new_tokens, dtype=dtype, device=device)
     return report
