@@ -199,15 +199,18 @@ def test_bits_rows_are_written_from_the_model_dtype_and_padding_slots_are_skippe
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("reader", ["c", "c-scalar"])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_rank_cache_decodes_read_its_numbers_in_c(dtype, window, reader, bs, monkeypatch):
+@pytest.mark.parametrize("widths", ["uneven, d_k != d_v", "wider than a vector"])
+def test_rank_cache_decodes_read_its_numbers_in_c(dtype, window, reader, bs, widths, monkeypatch):
     """A rank-format layer's cache (its numbers in the model's dtype): decode attention reads the blocks in C
     (cpu_bits.c's plain-number segments) and equals the reference on the stored numbers; prefills take torch's
-    SDPA. Unwritten rows hold NaN and are never read."""
+    SDPA. Unwritten rows hold NaN and are never read. Float32 heads at least a vector wide (8 floats with AVX,
+    16 with AVX-512) are read in place, whole vectors and an overlapping last one: widths that are and are not
+    multiples of the vector, beside narrower heads decoded into a buffer."""
     monkeypatch.setenv("KVFOLD_CPU_DECODER", reader)
     if cpu_bits.library() is None:
         pytest.skip("no C compiler on this machine")
-    d_k, d_v = WIDTHS["uneven, d_k != d_v"]
-    group = 3
+    d_k, d_v = {"wider than a vector": ([19, 8, 37], [24, 9, 17])}.get(widths) or WIDTHS[widths]
+    group = 6 if widths == "wider than a vector" else 3  # 6: the values' sums four queries at a time, then two
     seq_lens, q_lens = [9, 1, 7, 13, 45], [1, 1, 7, 4, 1]
     kv, table, lens, start, q, seqs, queries = _case(d_k, d_v, group, seq_lens, q_lens, block_size=bs, dtype=dtype)
     codec = row_codec(LayerDims(tuple(d_k), tuple(d_v), group))

@@ -265,29 +265,29 @@ def test_openai_server_answers_completions_and_chat(smollm2_exports):
 
 
 @pytest.mark.slow
-def test_bench_serve_prints_capacity_and_workload(smollm2_exports, tmp_path):
+def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
+    """`kvfold-bench serve` on SmolLM2's p ≈ 0.1 export, capacity and probe only (`--workload none`: the
+    workloads' figures are checked on a tiny model by tests/bench/test_serve.py, ~2 minutes less here): vLLM's own
+    block count meets the capacity target, and vLLM's fp8 cache runs or is reported with why not."""
     import subprocess
     import sys
 
-    out = tmp_path / "serve.json"  # 32 MiB: 640 tokens of the original, fewer than 6 × (200 + 8)
+    out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "kvfold.bench", "serve", "--export", str(smollm2_exports["p10"]),
-                           "--kv-cache-mib", "32", "--requests", "6", "--prompt-tokens", "200", "--new-tokens", "8",
-                           "--long-prompt-tokens", "400", "--long-new-tokens", "8", "--kv-cache-dtype", "fp8",
-                           "--eager", "--json", str(out)], capture_output=True, text=True, timeout=1200)
+                           "--kv-cache-mib", "32", "--workload", "none", "--kv-cache-dtype", "fp8", "--eager",
+                           "--json", str(out)], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     runs = report["configurations"]
-    original, exported = runs["original"], runs["export:p10"]
-    assert report["workloads"]["cache_limited"]["limits_original"] and exported["capacity_target_met"]
+    exported = runs["export:p10"]
+    assert runs["original"]["runs"] and exported["runs"] and exported["capacity_target_met"]
     assert exported["vs_original"]["kv_token_capacity"] >= 0.97 / (1 - exported["compression_p"])
+    assert exported["probe"]["top1_agreement"] > 0.5  # a p ≈ 0.1 export mostly agrees with the original
     if _cpu_has_avx512_or_amx():
         assert runs["fp8"]["runs"] and runs["fp8"]["vs_original"]["kv_token_capacity"] >= 3.9  # 1 byte for 4
     else:  # vLLM's CPU attention refuses an fp8 cache there (cpu_attn._get_attn_isa): reported with why, not run
         assert not runs["fp8"]["runs"] and "AVX-512" in runs["fp8"]["reason"], runs["fp8"]
-    for run in [r for r in runs.values() if r["runs"]]:
-        assert run["cache_limited"]["generated_tokens"] == 6 * 8 and run["cache_limited"]["peak_running_requests"] >= 1
-        assert run["long_context"]["decode_tokens"] == 7 and run["long_context"]["decode_tokens_per_s"] > 0
-    assert exported["cache_limited"]["peak_running_requests"] >= original["cache_limited"]["peak_running_requests"]
+    assert all("cache_limited" not in r and "long_context" not in r for r in runs.values())
 
 
 def _cpu_has_avx512_or_amx() -> bool:

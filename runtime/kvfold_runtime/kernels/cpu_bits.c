@@ -296,13 +296,184 @@ static inline float sumv(vf v) {
     return (l4[0] + l4[2]) + (l4[1] + l4[3]);
 }
 
+/* A block's columns [0, full) of `width` at `cols` floats a row apart, as whole vectors — and, where width is not a
+ * multiple of VW, the last VW columns [width − VW, width) as one more vector (`tail`): it overlaps the whole ones,
+ * so its query lanes (or its sums' lanes) below `full` are zero (dropped). Rows decoded into a buffer are read at
+ * full = the padded width and no tail; float32 rows straight from the cache, where reading past a head's width
+ * would read the next head's numbers (NaN in an unwritten row), with the tail. */
+typedef struct {
+    const float *cols;
+    int64_t stride; /* floats from one row to the next */
+    int32_t full;   /* columns read as whole vectors */
+    int32_t tail;   /* 1: one more vector at width − VW */
+    int32_t width;
+} rows_view;
+
+static inline void prefetch_row(const uint8_t *row, const int64_t *span) {
+    for (int side = 0; side < 2; side++) {
+        uintptr_t at = (uintptr_t)(row + span[2 * side]) & ~(uintptr_t)63, end = (uintptr_t)(row + span[2 * side + 1]);
+        for (; at < end; at += 64) __builtin_prefetch((const void *)at, 0, 1);
+    }
+}
+
+/* w_j[r] = q_j · row r for NJ (1 to 4) of the group's queries (q_j at q + j · q_stride, holding full + (tail ?
+ * VW : 0) floats: the whole vectors' lanes, then the tail's; w_j at w + j · w_stride), over every row of the
+ * block (a row not seen too: whatever it gives is masked later); m[j] raised to the largest over the seen rows.
+ * Two rows a step: a row's vector is loaded once for the NJ queries, and 2 · NJ independent sums hide the adds'
+ * latency (one sum per row, query by query, left the CPU waiting on each add and each row's first load). While
+ * scoring, the next block's lines of this head's rows are fetched into the outer caches (`next`, with the row
+ * bytes `span` of keys and values; NULL: none). Used for rows decoded into a buffer (attend says why). */
+static inline __attribute__((always_inline)) void score_rows_nj(const float *q, int64_t q_stride, rows_view k,
+                                                                int64_t block_size, const uint8_t *seen, float *w,
+                                                                int64_t w_stride, float *m, const uint8_t *next,
+                                                                int64_t row_bytes, const int64_t *span, const int NJ) {
+    int64_t r = 0;
+    for (; r + 2 <= block_size; r += 2) {
+        if (next) prefetch_row(next + r * row_bytes, span), prefetch_row(next + (r + 1) * row_bytes, span);
+        const float *k0 = k.cols + r * k.stride, *k1 = k0 + k.stride;
+        vf p0[4], p1[4];
+        for (int j = 0; j < NJ; j++) p0[j] = p1[j] = (vf){0};
+        for (int32_t c = 0; c < k.full + (k.tail ? VW : 0); c += VW) {
+            int32_t at = c < k.full ? c : k.width - VW;
+            vf x0 = loadv(k0 + at), x1 = loadv(k1 + at);
+            for (int j = 0; j < NJ; j++) {
+                vf qc = loadv(q + j * q_stride + c);
+                p0[j] += qc * x0, p1[j] += qc * x1;
+            }
+        }
+        for (int j = 0; j < NJ; j++) {
+            float d0 = sumv(p0[j]), d1 = sumv(p1[j]);
+            w[j * w_stride + r] = d0, w[j * w_stride + r + 1] = d1;
+            m[j] = seen[r] && d0 > m[j] ? d0 : m[j];
+            m[j] = seen[r + 1] && d1 > m[j] ? d1 : m[j];
+        }
+    }
+    for (; r < block_size; r++) {
+        if (next) prefetch_row(next + r * row_bytes, span);
+        const float *kr = k.cols + r * k.stride;
+        for (int j = 0; j < NJ; j++) {
+            vf part = {0};
+            for (int32_t c = 0; c < k.full + (k.tail ? VW : 0); c += VW)
+                part += loadv(q + j * q_stride + c) * loadv(kr + (c < k.full ? c : k.width - VW));
+            float d = sumv(part);
+            w[j * w_stride + r] = d;
+            m[j] = seen[r] && d > m[j] ? d : m[j];
+        }
+    }
+}
+
+/* w[r] = q · row r for one query over the block's rows (rows not seen too: whatever they give is masked later);
+ * returns the largest over the seen rows and m. q holds full + (tail ? VW : 0) floats: the whole vectors' lanes, then the
+ * tail's. Four rows at a time, four independent sums: one row's chain of dependent adds (4 cycles each) and its
+ * lane sum left the CPU waiting. */
+static inline float score_rows_one(const float *q, rows_view k, int64_t block_size, const uint8_t *seen, float *w,
+                               float m) {
+    int64_t r = 0;
+    for (; r + 4 <= block_size; r += 4) {
+        const float *k0 = k.cols + r * k.stride, *k1 = k0 + k.stride, *k2 = k1 + k.stride, *k3 = k2 + k.stride;
+        vf p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+        for (int32_t c = 0; c < k.full; c += VW) {
+            vf qc = loadv(q + c);
+            p0 += qc * loadv(k0 + c), p1 += qc * loadv(k1 + c), p2 += qc * loadv(k2 + c), p3 += qc * loadv(k3 + c);
+        }
+        if (k.tail) {
+            vf qc = loadv(q + k.full);
+            int32_t c = k.width - VW;
+            p0 += qc * loadv(k0 + c), p1 += qc * loadv(k1 + c), p2 += qc * loadv(k2 + c), p3 += qc * loadv(k3 + c);
+        }
+        float d[4] = {sumv(p0), sumv(p1), sumv(p2), sumv(p3)};
+        for (int i = 0; i < 4; i++) {
+            w[r + i] = d[i];
+            m = seen[r + i] && d[i] > m ? d[i] : m;
+        }
+    }
+    for (; r < block_size; r++) {
+        if (!seen[r]) continue;
+        const float *kr = k.cols + r * k.stride;
+        vf part = {0};
+        for (int32_t c = 0; c < k.full; c += VW) part += loadv(q + c) * loadv(kr + c);
+        if (k.tail) part += loadv(q + k.full) * loadv(kr + k.width - VW);
+        float dot = sumv(part);
+        w[r] = dot;
+        m = dot > m ? dot : m;
+    }
+    return m;
+}
+
+/* score_rows_nj for the whole group, four queries at a time (the next block fetched during the first four). */
+static inline void score_rows(const float *q, int64_t q_stride, rows_view k, int64_t block_size,
+                              const uint8_t *seen, float *w, float *m, int32_t group, const uint8_t *next,
+                              int64_t row_bytes, const int64_t *span) {
+    for (int32_t j = 0; j < group; j += 4) {
+        const float *qj = q + j * q_stride;
+        float *wj = w + j * block_size, *mj = m + j;
+        const uint8_t *nx = j ? NULL : next;
+        switch (group - j < 4 ? group - j : 4) { /* a constant count of queries: their sums stay in registers */
+        case 1: score_rows_nj(qj, q_stride, k, block_size, seen, wj, block_size, mj, nx, row_bytes, span, 1); break;
+        case 2: score_rows_nj(qj, q_stride, k, block_size, seen, wj, block_size, mj, nx, row_bytes, span, 2); break;
+        case 3: score_rows_nj(qj, q_stride, k, block_size, seen, wj, block_size, mj, nx, row_bytes, span, 3); break;
+        default: score_rows_nj(qj, q_stride, k, block_size, seen, wj, block_size, mj, nx, row_bytes, span, 4);
+        }
+    }
+}
+
+/* acc += Σ_r w[r] · row r over the block's seen rows (all: every row seen). acc holds full + (tail ? VW : 0)
+ * floats as score_rows' q. VW columns of the sum at a time, in vector registers that stay in place for the whole
+ * block; a block every row of which is seen takes four rows at a time into four sums (one sum's chain of dependent
+ * adds, 4 cycles each, was 38% of a rank layer's attention). An unwritten row may hold NaN bytes: never
+ * multiplied. */
+static inline void add_rows(float *acc, rows_view v, int64_t block_size, const uint8_t *seen, int all,
+                            const float *w) {
+    for (int32_t c = 0; c < v.full + (v.tail ? VW : 0); c += VW) {
+        const float *col = v.cols + (c < v.full ? c : v.width - VW);
+        vf part = loadv(acc + c), p1 = {0}, p2 = {0}, p3 = {0};
+        int64_t r = 0;
+        if (all)
+            for (; r + 4 <= block_size; r += 4) {
+                const float *vr = col + r * v.stride;
+                part += w[r] * loadv(vr);
+                p1 += w[r + 1] * loadv(vr + v.stride);
+                p2 += w[r + 2] * loadv(vr + 2 * v.stride);
+                p3 += w[r + 3] * loadv(vr + 3 * v.stride);
+            }
+        for (; r < block_size; r++)
+            if (seen[r]) part += w[r] * loadv(col + r * v.stride);
+        storev(acc + c, (part + p1) + (p2 + p3));
+    }
+}
+
+/* The bytes of a row that a head's segments read (codes, numbers, scales): [span[0], span[1]). */
+static void segment_span(const int32_t *segments, int32_t first, int32_t last, int64_t *span) {
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int32_t j = first; j < last; j++) {
+        const int32_t *sg = segments + 6 * j;
+        int64_t n = sg[1], bits = sg[2], code_at = sg[3], scale_at = sg[4], kind = sg[5];
+        if (bits == 0) continue; /* dims no band holds: no bytes */
+        int64_t end = code_at + (bits == 32 ? 4 * n : bits == 16 ? 2 * n : (n * bits + 7) / 8);
+        lo = code_at < lo ? code_at : lo, hi = end > hi ? end : hi;
+        if (kind == 1 || kind == 2) { /* a log8 (one byte) or float16 (two) scale */
+            lo = scale_at < lo ? scale_at : lo;
+            hi = scale_at + kind > hi ? scale_at + kind : hi;
+        }
+    }
+    span[0] = lo == INT64_MAX ? 0 : lo, span[1] = hi;
+}
+
+/* A head's one float32 segment covering [0, width), at least VW wide: read where it lies in the cache. */
+static inline int direct_segment(const int32_t *segments, int32_t first, int32_t last, int32_t width) {
+    const int32_t *sg = segments + 6 * first;
+    return VW >= 8 && last - first == 1 && sg[0] == 0 && sg[1] == width && sg[2] == 32 && width >= VW &&
+           sg[3] % 4 == 0;
+}
+
 /* Decode attention read straight from the paged cache's codes: for each request n and KV head g, the group's
  * query heads attend over the request's S = B * block_size rows (block b of
  * request n is blocks[block_ids[n, b]], a block holds block_size rows of row_bytes; valid [N, S]) without writing
  * a decoded cache or gathering the blocks. One pass, block by block (flash attention's online softmax): a
- * block's keys are decoded into a buffer and scored against the group's queries, the sums so far rescaled if
- * the largest score grew, then the block's values decoded and added with their weights — the block's bytes
- * read once, while the next block's are fetched.
+ * block's keys are scored against the group's queries, the sums so far rescaled if the largest score grew, then
+ * the block's values added with their weights — the block's bytes read once, while the next block's are fetched.
+ * Band codes and 16-bit numbers are decoded into a buffer first; float32 numbers (a rank layer of a float32
+ * model) are read where they lie: copying them first cost a memcpy call per row and head, 2 x 128 per block.
  * Segments per head: k_first[g] .. k_first[g + 1] of k_segments (out_at relative to the head's first dim,
  * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
  * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0. */
@@ -313,46 +484,67 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                    float *kbuf, float *vbuf, int64_t padded, float *qpad, float *w, float *accpad, float *acc,
                    float *top, float *total) {
     /* One KV head of one request over its blocks [first_block, last_block): the group's unnormalised sums acc
-     * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A block's
-     * keys (values) are decoded at once into kbuf (vbuf) [block_size, padded]; w [group, block_size].
-     * Every product runs over whole vectors: the widths rounded up to 16 (kp, vp; a multiple of VW), the queries'
-     * copy qpad [group, kp] and kbuf's columns [d_k, kp) zero (a decode writes [0, d_k) only; a wider head may
-     * have left numbers there, NaN from an unwritten row among them, and 0 · NaN is NaN), the sums kept at the
-     * padded width in accpad [group, vp] (its columns past d_v, whatever vbuf held there, are dropped). An
-     * export's widths are uneven (58, 47, 31, ...): a scalar tail per row cost more than the vectors before it. */
+     * [group, d_v], their largest score top [group] and the sum of exp(score - top) total [group]. A decoded
+     * block's keys (values) go to kbuf (vbuf) [block_size, padded]; w [group, block_size].
+     * Every product runs over whole vectors (rows_view): decoded rows at their widths rounded up to 16 (kp, vp; a
+     * multiple of VW), the queries' copy qpad [group, kp] and kbuf's columns [d_k, kp) zero (a decode writes
+     * [0, d_k) only; a wider head may have left numbers there, NaN from an unwritten row among them, and 0 · NaN
+     * is NaN), the sums kept at the padded width in accpad [group, vp] (its columns past d_v, whatever vbuf held
+     * there, are dropped). An export's widths are uneven (58, 47, 31, ...): a scalar tail per row cost more than
+     * the vectors before it. */
     const int64_t block_bytes = block_size * row_bytes;
     const int32_t kp = (d_k + 15) / 16 * 16, vp = (d_v + 15) / 16 * 16;
+    float best[64]; /* a block's largest score per query (group <= 64: decode_attention_c's contract) */
+    int64_t span[4];
+    segment_span(k_segments, k_first, k_last, span);
+    segment_span(v_segments, v_first, v_last, span + 2);
+    const int k_direct = direct_segment(k_segments, k_first, k_last, d_k);
+    const int v_direct = direct_segment(v_segments, v_first, v_last, d_v);
+    /* The views' columns relative to a block's start (direct) or kbuf/vbuf. kp ≥ full + VW wherever there is a
+     * tail (kp is a multiple of VW above d_k > full), so the tail's lanes fit in qpad's and accpad's rows. */
+    rows_view kv = {kbuf, padded, kp, 0, d_k}, vv = {vbuf, padded, vp, 0, d_v};
+    if (k_direct) kv = (rows_view){NULL, row_bytes / 4, d_k / VW * VW, d_k % VW != 0, d_k};
+    if (v_direct) vv = (rows_view){NULL, row_bytes / 4, d_v / VW * VW, d_v % VW != 0, d_v};
     for (int32_t j = 0; j < group; j++) {
         top[j] = -INFINITY, total[j] = 0.0f;
-        for (int32_t c = 0; c < kp; c++) qpad[j * kp + c] = c < d_k ? qg[j * d_k + c] * scaling : 0.0f;
+        float *qj = qpad + j * kp;
+        for (int32_t c = 0; c < kp; c++) qj[c] = c < d_k && c < kv.full ? qg[j * d_k + c] * scaling : 0.0f;
+        if (kv.tail) /* the tail's lanes: columns d_k − VW + i, zero where a whole vector already holds them */
+            for (int32_t i = 0; i < VW; i++) {
+                int32_t c = d_k - VW + i;
+                qj[kv.full + i] = c >= kv.full ? qg[j * d_k + c] * scaling : 0.0f;
+            }
         for (int32_t c = 0; c < vp; c++) accpad[j * vp + c] = 0.0f;
     }
-    if (kp > d_k)
+    if (!k_direct && kp > d_k)
         for (int64_t r = 0; r < block_size; r++)
             memset(kbuf + r * padded + d_k, 0, sizeof(float) * (size_t)(kp - d_k));
     for (int64_t b = first_block; b < last_block; b++) {
         const uint8_t *block = blocks + ids[b] * block_bytes, *seen = valid + b * block_size;
-        if (b + 1 < last_block) { /* the next block is elsewhere in the cache: its lines fetched meanwhile, into
-                                    * the outer caches (a rank block of 128 float32 rows, 139 KB, is over L1) */
-            const uint8_t *next = blocks + ids[b + 1] * block_bytes;
-            for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(next + at, 0, 1);
-        }
+        const uint8_t *next = b + 1 < last_block ? blocks + ids[b + 1] * block_bytes : NULL;
         int any = 0, all = 1;
         for (int64_t r = 0; r < block_size; r++) any |= seen[r], all &= seen[r] != 0;
         if (!any) continue;
-        decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, padded);
+        if (k_direct)
+            kv.cols = (const float *)(block + k_segments[6 * k_first + 3]);
+        else
+            decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, padded);
+        for (int32_t j = 0; j < group; j++) best[j] = top[j];
+        /* Rows read in place (float32) and rows decoded into a buffer are scored and fetched differently: each way
+         * measured the faster for its own rows on SmolLM2's 30 layers at 4K tokens (kvfold-bench kernels on CPU
+         * does not time this; the figures are in docs/results.md). In place: the next block's lines of this head's
+         * rows fetched in one burst before the block, then query by query, four rows at a time. Decoded: four
+         * queries at a time from the buffer, the next block fetched meanwhile. */
+        if (k_direct) {
+            if (next)
+                for (int64_t r = 0; r < block_size; r++) prefetch_row(next + r * row_bytes, span);
+            for (int32_t j = 0; j < group; j++)
+                best[j] = score_rows_one(qpad + j * kp, kv, block_size, seen, w + j * block_size, top[j]);
+        } else {
+            score_rows(qpad, kp, kv, block_size, seen, w, best, group, next, row_bytes, span);
+        }
         for (int32_t j = 0; j < group; j++) {
-            float m = top[j];
-            const float *qj = qpad + j * kp;
-            for (int64_t r = 0; r < block_size; r++) {
-                if (!seen[r]) continue;
-                const float *kr = kbuf + r * padded;
-                vf part = {0};
-                for (int32_t c = 0; c < kp; c += VW) part += loadv(qj + c) * loadv(kr + c);
-                float dot = sumv(part);
-                w[j * block_size + r] = dot;
-                m = dot > m ? dot : m;
-            }
+            float m = best[j];
             if (m > top[j]) { /* a larger score: the sums so far rescaled to it */
                 float shrink = expf(top[j] - m); /* 0 before the first row */
                 total[j] *= shrink;
@@ -374,32 +566,15 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
                 total[j] += e;
             }
         }
-        decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, padded);
-        for (int32_t j = 0; j < group; j++) {
-            /* VW dims of the sum at a time over the block's rows, in vector registers that stay in place for
-             * the whole block. A block every row of which is seen takes four rows at a time into four sums: one
-             * sum's chain of dependent adds (4 cycles each) was 38% of a rank layer's attention. */
-            float *aj = accpad + j * vp;
-            const float *wj = w + j * block_size;
-            for (int32_t c = 0; c < vp; c += VW) {
-                vf part = loadv(aj + c), p1 = {0}, p2 = {0}, p3 = {0};
-                int64_t r = 0;
-                if (all)
-                    for (; r + 4 <= block_size; r += 4) {
-                        const float *vr = vbuf + r * padded + c;
-                        part += wj[r] * loadv(vr);
-                        p1 += wj[r + 1] * loadv(vr + padded);
-                        p2 += wj[r + 2] * loadv(vr + 2 * padded);
-                        p3 += wj[r + 3] * loadv(vr + 3 * padded);
-                    }
-                for (; r < block_size; r++)
-                    if (seen[r]) part += wj[r] * loadv(vbuf + r * padded + c);
-                storev(aj + c, (part + p1) + (p2 + p3)); /* an unwritten row may hold NaN bytes: never multiplied */
-            }
-        }
+        if (v_direct)
+            vv.cols = (const float *)(block + v_segments[6 * v_first + 3]);
+        else
+            decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, padded);
+        for (int32_t j = 0; j < group; j++) add_rows(accpad + j * vp, vv, block_size, seen, all, w + j * block_size);
     }
-    for (int32_t j = 0; j < group; j++)
-        for (int32_t c = 0; c < d_v; c++) acc[j * d_v + c] = accpad[j * vp + c];
+    for (int32_t j = 0; j < group; j++) /* a tail's lane i holds column d_v − VW + i */
+        for (int32_t c = 0; c < d_v; c++)
+            acc[j * d_v + c] = c < vv.full ? accpad[j * vp + c] : accpad[j * vp + vv.full + c - (d_v - VW)];
 }
 
 /* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 16 per thread (a short
