@@ -363,11 +363,11 @@ static inline __attribute__((always_inline)) void score_rows_nj(const float *q, 
 }
 
 /* w[r] = q · row r for one query over the block's rows (rows not seen too: whatever they give is masked later);
- * returns the largest over the seen rows and m. q holds full + (tail ? VW : 0) floats: the whole vectors' lanes, then the
- * tail's. Four rows at a time, four independent sums: one row's chain of dependent adds (4 cycles each) and its
- * lane sum left the CPU waiting. */
+ * returns the largest over the seen rows and m. q holds full + (tail ? VW : 0) floats: the whole vectors' lanes,
+ * then the tail's. Four rows at a time, four independent sums: one row's chain of dependent adds (4 cycles each)
+ * and its lane sum left the CPU waiting. Used for rows read in place (attend says why). */
 static inline float score_rows_one(const float *q, rows_view k, int64_t block_size, const uint8_t *seen, float *w,
-                               float m) {
+                                   float m) {
     int64_t r = 0;
     for (; r + 4 <= block_size; r += 4) {
         const float *k0 = k.cols + r * k.stride, *k1 = k0 + k.stride, *k2 = k1 + k.stride, *k3 = k2 + k.stride;
