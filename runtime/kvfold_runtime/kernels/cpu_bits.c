@@ -316,8 +316,8 @@ static inline void prefetch_row(const uint8_t *row, const int64_t *span) {
     }
 }
 
-/* w_j[r] = q_j · row r for NJ (1 to 4) of the group's queries (q_j at q + j · q_stride, holding full + (tail ?
- * VW : 0) floats: the whole vectors' lanes, then the tail's; w_j at w + j · w_stride), over every row of the
+/* w_j[r] = q_j · row r for NJ (1 to 4) of the group's queries (q_j at q + j · q_stride, `full` floats: decoded
+ * rows, padded to whole vectors, have no tail; w_j at w + j · w_stride), over every row of the
  * block (a row not seen too: whatever it gives is masked later); m[j] raised to the largest over the seen rows.
  * Two rows a step: a row's vector is loaded once for the NJ queries, and 2 · NJ independent sums hide the adds'
  * latency (one sum per row, query by query, left the CPU waiting on each add and each row's first load). While
@@ -333,9 +333,8 @@ static inline __attribute__((always_inline)) void score_rows_nj(const float *q, 
         const float *k0 = k.cols + r * k.stride, *k1 = k0 + k.stride;
         vf p0[4], p1[4];
         for (int j = 0; j < NJ; j++) p0[j] = p1[j] = (vf){0};
-        for (int32_t c = 0; c < k.full + (k.tail ? VW : 0); c += VW) {
-            int32_t at = c < k.full ? c : k.width - VW;
-            vf x0 = loadv(k0 + at), x1 = loadv(k1 + at);
+        for (int32_t c = 0; c < k.full; c += VW) {
+            vf x0 = loadv(k0 + c), x1 = loadv(k1 + c);
             for (int j = 0; j < NJ; j++) {
                 vf qc = loadv(q + j * q_stride + c);
                 p0[j] += qc * x0, p1[j] += qc * x1;
@@ -353,8 +352,7 @@ static inline __attribute__((always_inline)) void score_rows_nj(const float *q, 
         const float *kr = k.cols + r * k.stride;
         for (int j = 0; j < NJ; j++) {
             vf part = {0};
-            for (int32_t c = 0; c < k.full + (k.tail ? VW : 0); c += VW)
-                part += loadv(q + j * q_stride + c) * loadv(kr + (c < k.full ? c : k.width - VW));
+            for (int32_t c = 0; c < k.full; c += VW) part += loadv(q + j * q_stride + c) * loadv(kr + c);
             float d = sumv(part);
             w[j * w_stride + r] = d;
             m[j] = seen[r] && d > m[j] ? d : m[j];
