@@ -94,6 +94,9 @@ def export(
                                                    f"rates from measured costs) {_default('allocation')}.")] = None,
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
                                                  f"unfavourable side {_default('margin')}.")] = None,
+    search_steps: Annotated[int | None, typer.Option(help="Bisection steps of the accuracy search, one candidate "
+                                                     "scored each: fewer is quicker and may keep a milder point "
+                                                     f"{_default('search_steps')}.")] = None,
     format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks) or bits (each kept dim "
                                                "stored at 2–16 bits; transformers and vLLM) "
                                                f"{_default('format')}.")] = None,
@@ -122,6 +125,7 @@ def export(
         options = api.load_recipe(recipe, RecipeOverrides(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
+            search_steps=search_steps,
             format=format, context=context, dtype=dtype, passkey=passkey, tp=tp))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,

@@ -16,6 +16,22 @@ from transformers import (
     Qwen3Config,
 )
 
+# scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup): a vLLM engine's start is one
+# thread importing and initialising (a tiny one: 14 s importing vllm, 9 s starting, 2 s generating, here), so a
+# second worker keeps CI's other core busy. Tests sharing an expensive module fixture carry one xdist_group mark
+# (the fixture is built once, and two copies of a 1.5B model never load side by side); the others are spread one
+# by one. Pinning each worker to one core was measured and rejected: a tensor-parallel engine's two workers on one
+# core waited on each other (the vLLM tests took 1.3x their sequential time). The longest files come first, so
+# the two workers finish together.
+LONGEST_FIRST = ("tests/test_qwen.py", "tests/runtime/test_vllm.py", "tests/test_smollm2.py",
+                 "tests/runtime/test_vllm_parallel.py", "tests/bench/test_serve.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
 VOCAB = 260  # 256 byte tokens + specials of the tiny byte-level tokenizer
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)

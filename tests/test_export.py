@@ -288,7 +288,8 @@ def test_export_help_reads_its_defaults_from_the_recipe():
     assert shown.exit_code == 0, shown.output
     text = " ".join(shown.stdout.replace("│", " ").split())
     for option, words in [("eval_tokens", "score on"), ("multiple", "multiple of this"), ("min_rank", "any head"),
-                          ("passkey", "as the original"), ("method", "(the papers')")]:
+                          ("passkey", "as the original"), ("method", "(the papers')"),
+                          ("search_steps", "a milder point")]:
         assert f"{words} [{Recipe.model_fields[option].default}]" in text, option
     assert f"unfavourable side [{Recipe.model_fields['margin'].default:g}]" in text
 

@@ -12,7 +12,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.cli import app
 from kvfold.sources.models import fast_dtype
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("qwen")]  # one worker: one 1.5B model at a time
 ALIAS = "qwen2.5-coder-1.5b"
 
 
@@ -41,9 +41,10 @@ def test_prepare_checks_the_conversion_by_perplexity(qwen):
 # Small sizes: the 1.5B model runs in float32 on CI's AVX2-only CPUs (~30 s per 512-token window on 2 cores), so
 # one calibration serves every test, one rank export made for a compression (one scored point: Qwen's rank
 # format keeps p ≈ 0.012 at 0.99, docs/results.md) serves both rank tests, the bits export's search and the
-# verifies read one 512-token window each, and verify's greedy generations are 8 tokens, not 32 (~70 s less per
-# verify). The rank export is verified on its search's own window (the baked weights must give the figures the
-# search recorded), the bits export on held-out text (its target must hold there).
+# verifies read one 512-token window each, the search bisects 3 times, not 8 (4 candidates of ~19 s, not 9), and
+# verify's greedy generations are 8 tokens, not 32 (~70 s less per verify). The rank export is verified on its
+# search's own window (the baked weights must give the figures the search recorded), the bits export on held-out
+# text (its target must hold there).
 @pytest.fixture(scope="module")
 def calib(qwen, tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen") / "calib"
@@ -85,7 +86,8 @@ def test_bits_export_meets_its_target_on_held_out_text(calib, tmp_path):
     out = tmp_path / "export"
     done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--format", "bits", "--accuracy", "0.9",
                                     "--margin", "0", "--eval-text", "pysrc:dev", "--eval-tokens", "512",
-                                    "--passkey", "0", "-o", str(out), "--dtype", fast_dtype("bfloat16")])
+                                    "--search-steps", "3", "--passkey", "0", "-o", str(out),
+                                    "--dtype", fast_dtype("bfloat16")])
     assert done.exit_code == 0, done.output
     _verify(out, "pysrc:eval", "target pysrc:eval")
 

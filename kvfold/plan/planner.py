@@ -139,7 +139,7 @@ def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windo
         started[0] = time.monotonic()
 
     search = for_accuracy_bits if recipe.format == "bits" else for_accuracy
-    best, curve = search(bases, evaluator, target, rule, progress=scored)
+    best, curve = search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored)
     if not recipe.passkey:
         return _Found(best, tuple(curve), baseline, None, net)
     # Checked in the checkpoint's own dtype, as it will be served and verified: a key at the edge can flip

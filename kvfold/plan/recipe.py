@@ -61,6 +61,10 @@ class Recipe(BaseModel):
     # definition). With ±0.3% standard error on 16K tokens, the point estimate alone lands under the
     # target on other text about half the time (measured: held-out 0.9885 for a 0.9906 search point).
     margin: float = Field(default=1.0, ge=0.0)
+    # Bisection steps of the accuracy search (plan/search.py), each one candidate scored: after the mildest point,
+    # each halves the interval of log rate left. 8 leave the chosen point within 2.5% (rank) or 5.5% (bits) of the
+    # edge's rate; fewer score fewer candidates (a quicker export) and may keep a milder point than the edge.
+    search_steps: int = Field(default=8, ge=1, le=32)
     # rank: the cache stores k', v' at the chosen ranks in the model's dtype. bits: each kept dim in a band of
     # 2–16 bits with per-token scales (plan/bits.py, kvfold_runtime.bands); ranks follow from the bits, so
     # multiple and min_rank do not apply. Served by the transformers runtime and the vLLM plugin.

@@ -57,6 +57,23 @@ def test_search_finds_the_largest_compression_meeting_the_target():
     assert [p.r_k for p in curve] == sorted(p.r_k for p in curve)
 
 
+def test_fewer_steps_score_fewer_candidates_and_never_a_stronger_point():
+    """--search-steps: the mildest point, then one candidate per step (the strongest rate only if every step met
+    the target); a coarser search keeps a point at most as compressed, still meeting the target."""
+    calls = {}
+
+    def counting(steps):
+        def score(ranks):
+            calls[steps] = calls.get(steps, 0) + 1
+            return _score(0.2)(ranks)
+        return score
+
+    fine, _ = search_rate(_plan, counting(8), Target("top1", 0.99), lambda r: RankRule(r, r), steps=8)
+    coarse, curve = search_rate(_plan, counting(2), Target("top1", 0.99), lambda r: RankRule(r, r), steps=2)
+    assert len(curve) <= 4 and calls[2] <= 4 < calls[8]
+    assert coarse.top1_ratio >= 0.99 and coarse.compression <= fine.compression
+
+
 def test_unreachable_target_says_the_best_reachable():
     with pytest.raises(KVFoldError, match=r"not reachable.*top-1 ratio 0\.9000"):
         search_rate(_plan, _score(-1.0), Target("top1", 0.99), lambda r: RankRule(r, r))
