@@ -16,13 +16,14 @@ from transformers import (
     Qwen3Config,
 )
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup): a vLLM engine's start is one
-# thread importing and initialising (a tiny one: 14 s importing vllm, 9 s starting, 2 s generating, here), so a
-# second worker keeps CI's other core busy. Tests sharing an expensive module fixture carry one xdist_group mark
-# (the fixture is built once, and two copies of a 1.5B model never load side by side); the others are spread one
-# by one. Pinning each worker to one core was measured and rejected: a tensor-parallel engine's two workers on one
-# core waited on each other (the vLLM tests took 1.3x their sequential time). The longest files come first, so
-# the two workers finish together.
+# scripts/test.sh runs the suite on two pytest-xdist workers, one test file at a time each (--dist loadfile: a
+# file's module fixtures are built once, and Qwen's tests, one file, never load two 1.5B models side by side). A
+# vLLM engine's start is one thread importing and initialising (a tiny one here: 14 s importing vllm, 9 s starting,
+# 2 s generating), so the second worker keeps CI's other core busy. The files run in this order, the longest first
+# (--no-loadscope-reorder; xdist's own order is by test count), so the two workers finish together. Measured and
+# rejected: each worker pinned to one core (a tensor-parallel engine's two workers on one core wait on each other:
+# the vLLM tests took 1.3x their sequential time); --dist loadgroup (xdist 3.8's xdist_group marks do not group
+# under pytest 9: every test went its own way, and a module fixture was built in both workers).
 LONGEST_FIRST = ("tests/test_qwen.py", "tests/runtime/test_vllm.py", "tests/test_smollm2.py",
                  "tests/runtime/test_vllm_parallel.py", "tests/bench/test_serve.py")
 

@@ -12,7 +12,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.cli import app
 from kvfold.sources.models import fast_dtype
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("qwen")]  # one worker: one 1.5B model at a time
+pytestmark = pytest.mark.slow
 ALIAS = "qwen2.5-coder-1.5b"
 
 

@@ -214,7 +214,6 @@ def _wiki_prompts(path, n=8, tokens=48):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2-vllm")  # one worker builds smollm2_exports
 def test_smollm2_in_vllm(smollm2_exports):
     """8 prompts × 32 tokens, float32: the exports in vLLM = the transformers runtime on the same export (bits:
     every prompt that parts does so at a near tie, BITS_TIE — vLLM's own check_logprobs_close rule — and at least
@@ -256,7 +255,6 @@ def test_smollm2_in_vllm(smollm2_exports):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2-vllm")  # one worker builds smollm2_exports
 def test_openai_server_answers_completions_and_chat(smollm2_exports):
     """vLLM's OpenAI-compatible server on 127.0.0.1 at a free port, bounded waits, stopped with its whole
     process group: nothing left running."""
@@ -267,7 +265,6 @@ def test_openai_server_answers_completions_and_chat(smollm2_exports):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smollm2-vllm")  # one worker builds smollm2_exports
 def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
     """`kvfold-bench serve` on SmolLM2's p ≈ 0.1 export, capacity and probe only (`--workload none`: the
     workloads' figures are checked on a tiny model by tests/bench/test_serve.py, ~2 minutes less here): vLLM's own
