@@ -5,5 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --with-qwen
 .venv/bin/ruff check kvfold runtime tests
-# Two workers (tests/conftest.py says why): CI's second core stays busy while a vLLM engine starts on one thread.
-exec .venv/bin/python -m pytest -m "" -n 2 --dist loadfile --no-loadscope-reorder "$@"
+exec .venv/bin/python -m pytest -m "" "$@"

@@ -16,23 +16,6 @@ from transformers import (
     Qwen3Config,
 )
 
-# scripts/test.sh runs the suite on two pytest-xdist workers, one test file at a time each (--dist loadfile: a
-# file's module fixtures are built once, and Qwen's tests, one file, never load two 1.5B models side by side). A
-# vLLM engine's start is one thread importing and initialising (a tiny one here: 14 s importing vllm, 9 s starting,
-# 2 s generating), so the second worker keeps CI's other core busy. The files run in this order, the longest first
-# (--no-loadscope-reorder; xdist's own order is by test count), so the two workers finish together. Measured and
-# rejected: each worker pinned to one core (a tensor-parallel engine's two workers on one core wait on each other:
-# the vLLM tests took 1.3x their sequential time); --dist loadgroup (xdist 3.8's xdist_group marks do not group
-# under pytest 9: every test went its own way, and a module fixture was built in both workers).
-LONGEST_FIRST = ("tests/test_qwen.py", "tests/runtime/test_vllm.py", "tests/test_smollm2.py",
-                 "tests/runtime/test_vllm_parallel.py", "tests/bench/test_serve.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
-
-
 VOCAB = 260  # 256 byte tokens + specials of the tiny byte-level tokenizer
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)
