@@ -280,6 +280,11 @@ def test_the_chosen_points_pass_keys_are_recorded(setup, tmp_path):
                       "passkey must be 0 (skip) or at least 256 tokens", tmp_path / "c")
 
 
+def test_search_steps_below_one_are_refused(setup, tmp_path):
+    assert_user_error(_export(setup, tmp_path / "o", "--accuracy", 0.8, "--search-steps", 0),
+                      "--search-steps: Input should be greater than or equal to 1", tmp_path / "o")
+
+
 def test_export_help_reads_its_defaults_from_the_recipe():
     """The defaults are defined once, in plan/recipe.py; export's help shows them from there."""
     from kvfold.plan.recipe import Recipe
