@@ -46,14 +46,14 @@ def measure(bases: list[LayerBasis], evaluator: Evaluator, rule: RankRule | BitR
     return Point.measured(rule.r_k, rule.r_v, plan.compression, cand, base)
 
 
-def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], RankRule], steps: int = 8,
+def for_accuracy(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], RankRule], *, steps: int,
                  progress=None) -> tuple[Point, list[Point]]:
     return search_rate(lambda rr: plan_ranks(bases, rr), _scorer(bases, evaluator), target, rule, steps=steps,
                        progress=progress)
 
 
-def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], BitRule],
-                      steps: int = 8, progress=None) -> tuple[Point, list[Point]]:
+def for_accuracy_bits(bases, evaluator: Evaluator, target: Target, rule: Callable[[float], BitRule], *,
+                      steps: int, progress=None) -> tuple[Point, list[Point]]:
     """The bits format: the same search over the water-filling's θ (plan/bits.py), each candidate scored
     on the cache it would store (band codes and scales, measure/stored.py)."""
     # θ from 1e-7 on the side with the larger θ (about 8 bits for a head's average dim: int8-like) to θ_k = 0.1

@@ -35,6 +35,7 @@ HELD_OUT_SIGMAS = 2.0
 # within this many combined standard errors.
 SIGMAS = 3.0
 PROMPTS, PROMPT_TOKENS = 4, 24  # greedy generations compared, from the first evaluation text
+KV_BYTES_TOKENS = 128  # tokens whose live cache the kv_bytes check weighs (past the tiny models' 16-token windows)
 SEARCH_CONTEXT = 512  # the window length export's search scores (calib.tokens windows)
 
 
@@ -43,9 +44,6 @@ def load_served(directory: Path, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype]).to(device).eval()
-
-
-KV_BYTES_TOKENS = 128  # tokens whose live cache the kv_bytes check weighs (past the tiny models' 16-token windows)
 
 
 def _live_cache(model, ids: torch.Tensor):
