@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -51,6 +56,17 @@ def build_tiny(arch: str, **overrides):
                 p.normal_(0, 0.15)
     assert model.config.architectures == [arch] or type(model).__name__ == arch
     return model
+
+
+@contextmanager
+def module_dir(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A fresh directory for a module-scoped fixture, removed when the fixture is torn down (the module's end):
+    pytest keeps fixtures' directories to the session's end, and a real model's export is GBs."""
+    root = tmp_path_factory.mktemp(name)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def tiny_tokenizer():

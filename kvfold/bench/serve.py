@@ -1,8 +1,9 @@
 """Serving in vLLM with one KV memory budget: the original, kvfold exports (kvfold-runtime's plugin) and the
 original under vLLM's own `kv_cache_dtype` values, side by side.
 
-Every configuration runs in a fresh process (`serve-point`, kvfold/bench/serve_point.py: one vLLM engine per
-process, so none inherits another's memory or compiled code) with the same `kv_cache_memory_bytes`.
+Every configuration runs in a process of its own (`serve-point`, kvfold/bench/serve_point.py: one vLLM engine per
+process, forked from kvfold's engine host, which imported vLLM once and ran nothing: none inherits another's
+memory or compiled code) with the same `kv_cache_memory_bytes`.
 Reported from vLLM's own accounting: the KV blocks it allocated in that budget (× block size = the token
 capacity; budget ÷ capacity = bytes per token, at most one block's rounding above the page's share), the
 peak number of requests it ran at once, and the tokens/s of a cache-limited workload and of batch-1
@@ -16,13 +17,12 @@ import json
 import logging
 import os
 import re
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from kvfold.bench.engine_host import run_module
 from kvfold.bench.engine_log import root_cause
-from kvfold.bench.process import run_isolated
 from kvfold.bench.serve_point import (
     PROBE_MAX_PPL,
     PROBE_MIN_TOP1,
@@ -63,10 +63,10 @@ def _why(output: str) -> str:
 
 
 def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]] | None = None) -> dict:
-    """One configuration in a fresh process; {"error": the root cause} when it failed."""
+    """One configuration in a process of its own; {"error": the root cause} when it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "point.json"
-        cmd = [sys.executable, "-m", "kvfold.bench", "serve-point", model, str(tokenizer_dir), str(out)]
+        cmd = ["serve-point", model, str(tokenizer_dir), str(out)]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if not isinstance(v, bool)]
         cmd += ["--eager"] if args["eager"] else []
         if reference is not None:
@@ -76,7 +76,7 @@ def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]]
         workers = args["tensor_parallel"] * args["pipeline_parallel"]
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)  # ignored by vLLM's GPU builds
-        done = run_isolated(cmd, env=env)
+        done = run_module("kvfold.bench", cmd, env=env)
         if done.returncode != 0 or not out.exists():
             return {"error": _why(done.stdout + done.stderr)}
         return json.loads(out.read_text())

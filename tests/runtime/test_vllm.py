@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import kvfold_runtime  # noqa: F401  (registers the transformers classes)
 from kvfold_runtime import ConfigBlock
-from tests.conftest import VOCAB
+from tests.conftest import VOCAB, module_dir
 from tests.runtime.vllm_engine import run_engine
 
 pytestmark = pytest.mark.vllm
@@ -194,14 +194,14 @@ def smollm2_exports(tmp_path_factory):
     from kvfold.plan.recipe import Recipe
     from kvfold.sources.models import resolve_model
 
-    root = tmp_path_factory.mktemp("smollm2-vllm")
-    api.calibrate("smollm2", root / "c", text="wiki:calib", tokens=2048)
-    api.export("smollm2", root / "c", root / "full", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
-    m = api.export("smollm2", root / "c", root / "p10", Recipe(ratio=0.10, multiple=1, eval_tokens=512)).manifest
-    api.export("smollm2", root / "c", root / "bits", Recipe(format="bits", accuracy=0.97, eval_tokens=512, margin=0,
-                                                            passkey=0))
-    return {"orig": resolve_model("smollm2").path, "full": root / "full", "p10": root / "p10", "bits": root / "bits",
-            "p": m.chosen.compression}
+    with module_dir(tmp_path_factory, "smollm2-vllm") as root:
+        api.calibrate("smollm2", root / "c", text="wiki:calib", tokens=2048)
+        api.export("smollm2", root / "c", root / "full", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
+        m = api.export("smollm2", root / "c", root / "p10", Recipe(ratio=0.10, multiple=1, eval_tokens=512)).manifest
+        api.export("smollm2", root / "c", root / "bits", Recipe(format="bits", accuracy=0.97, eval_tokens=512,
+                                                                margin=0, passkey=0))
+        yield {"orig": resolve_model("smollm2").path, "full": root / "full", "p10": root / "p10",
+               "bits": root / "bits", "p": m.chosen.compression}
 
 
 def _wiki_prompts(path, n=8, tokens=48):

@@ -1,7 +1,8 @@
-"""Run one real vLLM engine in a fresh process and read back what it did (tests call `run_engine`).
+"""Run one real vLLM engine in a process of its own and read back what it did (tests call `run_engine`).
 
-A fresh process per engine: vLLM starts its own engine and worker processes and does not free
-everything when an LLM object goes away, and a failed start must not take the test process with it.
+A process per engine: vLLM starts its own engine and worker processes and does not free everything when an LLM
+object goes away, and a failed start must not take the test process with it. The process is forked from kvfold's
+engine host (kvfold/bench/engine_host.py), which imported vLLM once for the whole test run.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvfold.bench.process import run_isolated
+from kvfold.bench.engine_host import run_module
 from kvfold.bench.serve_point import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,8 +46,7 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins  # vLLM loads only the general plugins named here
-        done = run_isolated([sys.executable, "-m", "tests.runtime.vllm_engine", json.dumps(args)], cwd=REPO, env=env,
-                            timeout=timeout)
+        done = run_module("tests.runtime.vllm_engine", [json.dumps(args)], cwd=REPO, env=env, timeout=timeout)
         output = done.stdout + done.stderr
         if done.returncode == 0 and out.exists():
             return {**json.loads(out.read_text()), "output": output}
