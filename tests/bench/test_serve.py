@@ -1,6 +1,6 @@
 """`kvfold-bench serve`: bad input refused before any engine starts (one line, exit 2), its arithmetic and
 probe verdict, the table and the PNG; marked vllm, a real run of every kind of configuration on a tiny
-model (the SmolLM2 run is tests/runtime/test_vllm.py::test_bench_serve_prints_capacity_and_workload)."""
+model (the SmolLM2 run is tests/runtime/test_vllm.py::test_bench_serve_prints_capacity_on_real_weights)."""
 
 import ast
 import importlib.util
@@ -15,6 +15,11 @@ from kvfold.bench.serve import KV_DTYPES, capacity_figures, layout_capacities
 from kvfold.bench.serve_point import agreement, reads_back
 from tests.runtime.conftest import write_export
 from tests.test_cli import assert_user_error
+
+# vLLM's engine core and its worker in the engine's own process: vLLM's CPU platform starts them by spawning, each
+# importing vLLM again (~12 s each here; 25 s of a tiny engine's 31 s start). The bench, as users run it, keeps
+# vLLM's default; its tests read its mechanics and arithmetic, which do not depend on it.
+ENGINE_IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def run(*args):
@@ -215,12 +220,14 @@ def head80(tmp_path):
 
 
 @pytest.mark.vllm
-def test_serve_runs_every_kind_of_configuration(head80, tmp_path):
+def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     """1 MiB: 6 blocks of 128 tokens of the original, fewer than the 8 × (64 + 64) of the cache-limited workload.
     fp8 refuses head_dim 80 on CPU (runs: false with the engine's own reason); a bfloat16 cache under a float32
     model starts, and the probe finds it read back as float32, or vLLM's worker crashes reading it (runs: false
-    either way, measured); the JSON and PNG written."""
+    either way, measured); the JSON and PNG written. Each engine runs in one process (ENGINE_IN_PROCESS)."""
     pytest.importorskip("matplotlib")
+    for name, value in ENGINE_IN_PROCESS.items():
+        monkeypatch.setenv(name, value)
     original_dir, export = head80
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     result = run("serve", "--export", export, "--against", original_dir, "--kv-cache-mib", "1",

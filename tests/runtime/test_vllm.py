@@ -225,8 +225,7 @@ def test_smollm2_in_vllm(smollm2_exports):
     e = smollm2_exports
     prompts = _wiki_prompts(e["orig"])
     budget = 64 << 20
-    runs = {name: run_engine(e[name], prompts, kv_cache_bytes=budget, max_model_len=512,
-                             own_processes=name in ("p10", "bits"))  # the exports as `vllm serve` runs them
+    runs = {name: run_engine(e[name], prompts, kv_cache_bytes=budget, max_model_len=512)
             for name in ("orig", "full", "p10", "bits")}
     runs["orig, no plugin"] = run_engine(e["orig"], prompts, kv_cache_bytes=budget, max_model_len=512, plugins="")
     for name, run in runs.items():
@@ -269,13 +268,17 @@ def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
     """`kvfold-bench serve` on SmolLM2's p ≈ 0.1 export, capacity and probe only (`--workload none`: the
     workloads' figures are checked on a tiny model by tests/bench/test_serve.py, ~2 minutes less here): vLLM's own
     block count meets the capacity target, and vLLM's fp8 cache runs or is reported with why not."""
+    import os
     import subprocess
     import sys
+
+    from tests.bench.test_serve import ENGINE_IN_PROCESS
 
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "kvfold.bench", "serve", "--export", str(smollm2_exports["p10"]),
                            "--kv-cache-mib", "32", "--workload", "none", "--kv-cache-dtype", "fp8", "--eager",
-                           "--json", str(out)], capture_output=True, text=True, timeout=1200)
+                           "--json", str(out)], capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, **ENGINE_IN_PROCESS})
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     runs = report["configurations"]

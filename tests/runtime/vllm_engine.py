@@ -28,10 +28,10 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
     {"error": last lines, "output": everything printed} when the engine failed to start or run. With several
     workers (tensor/pipeline parallel, vLLM's multiprocessing executor) each gets its own share of this process's
     cores (VLLM_CPU_OMP_THREADS_BIND: the CPU build's automatic binding wants a NUMA node per worker). `eager`:
-    vLLM's enforce_eager (False: compiled, as vLLM serves by default). `own_processes`: one worker's engine core
-    and worker each in a process of its own, as `vllm serve` runs them (a refusal is then the engine core's ERROR
-    line); by default they run in this one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM and torch imported
-    once, not three times: 34 s instead of 57 for SmolLM2 here). Several workers always have their own."""
+    vLLM's enforce_eager (False: compiled, as vLLM serves by default). `own_processes`: the engine core in a process
+    of its own, as `vllm serve` runs it (a refusal is then the engine core's ERROR line); by default it runs in this
+    one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform spawns its processes, each importing vLLM
+    again, ~12 s here), and so does one worker; several workers have their own (spawned) processes either way."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
@@ -40,7 +40,7 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
                 "out": str(out)}
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         workers = tensor_parallel * pipeline_parallel
-        if workers == 1 and not own_processes:
+        if not own_processes:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if workers > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)
