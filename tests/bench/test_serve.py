@@ -14,12 +14,8 @@ from kvfold.bench.cli import app
 from kvfold.bench.serve import KV_DTYPES, capacity_figures, layout_capacities
 from kvfold.bench.serve_point import agreement, reads_back
 from tests.runtime.conftest import write_export
+from tests.runtime.vllm_engine import ENGINE_IN_PROCESS
 from tests.test_cli import assert_user_error
-
-# vLLM's engine core and its worker in the engine's own process: vLLM's CPU platform starts them by spawning, each
-# importing vLLM again (~12 s each here; 25 s of a tiny engine's 31 s start). The bench, as users run it, keeps
-# vLLM's default; its tests read its mechanics and arithmetic, which do not depend on it.
-ENGINE_IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def run(*args):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import kvfold_runtime  # noqa: F401  (registers the transformers classes)
 from kvfold_runtime import ConfigBlock
 from tests.conftest import VOCAB, module_dir
-from tests.runtime.vllm_engine import run_engine
+from tests.runtime.vllm_engine import ENGINE_IN_PROCESS, run_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -271,8 +271,6 @@ def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
     import os
     import subprocess
     import sys
-
-    from tests.bench.test_serve import ENGINE_IN_PROCESS
 
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "kvfold.bench", "serve", "--export", str(smollm2_exports["p10"]),

@@ -17,6 +17,11 @@ from kvfold.bench.engine_host import run_module
 from kvfold.bench.serve_point import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
+# vLLM's engine core (and one worker) in the engine's own process: vLLM's CPU platform starts each process of its own
+# by spawning, which imports vLLM again (~12 s each here; 25 s of a tiny engine's 31 s start). The tests of
+# `kvfold-bench serve` set it too: they read the bench's mechanics and arithmetic, which do not depend on it; the
+# bench, as users run it, keeps vLLM's default.
+ENGINE_IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int = 32, kv_cache_bytes: int = 8 << 20,
@@ -30,8 +35,8 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
     cores (VLLM_CPU_OMP_THREADS_BIND: the CPU build's automatic binding wants a NUMA node per worker). `eager`:
     vLLM's enforce_eager (False: compiled, as vLLM serves by default). `own_processes`: the engine core in a process
     of its own, as `vllm serve` runs it (a refusal is then the engine core's ERROR line); by default it runs in this
-    one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform spawns its processes, each importing vLLM
-    again, ~12 s here), and so does one worker; several workers have their own (spawned) processes either way."""
+    one process (ENGINE_IN_PROCESS), and so does one worker; several workers have their own (spawned) processes
+    either way."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
@@ -41,7 +46,7 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         workers = tensor_parallel * pipeline_parallel
         if not own_processes:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env |= ENGINE_IN_PROCESS
         if workers > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)
         if plugins is not None:
