@@ -3,7 +3,17 @@
 import pytest
 import torch
 
-from kvfold_runtime.bands import SCALES, Band, bands_from_bits, dequantize, quantize, roundtrip, row_bytes
+from kvfold_runtime.bands import (
+    FIT_STEPS,
+    SCALES,
+    Band,
+    bands_from_bits,
+    dequantize,
+    log8_scales,
+    quantize,
+    roundtrip,
+    row_bytes,
+)
 
 BITS = [16] * 2 + [8] * 5 + [6] * 3 + [5] * 4 + [4] * 10 + [3] * 9 + [2] * 21 + [0] * 10
 
@@ -24,7 +34,7 @@ def test_equal_widths_form_contiguous_bands_and_zero_bits_are_not_stored():
 
 
 @pytest.mark.parametrize(("scale", "coarsest"), [("log8", 2 ** (1 / 8)), ("float16", 1 + 2**-10)])
-def test_each_band_round_trips_within_half_a_step_and_16_bits_is_float16(scale, coarsest):
+def test_each_band_round_trips_at_its_fitted_step_and_16_bits_is_float16(scale, coarsest):
     torch.manual_seed(0)
     # [B, T, d]: magnitudes fall along the dims, and vary by token over 2^±6 (every log8 step is hit)
     x = torch.randn(3, 7, 64) * torch.logspace(1, -2, 64) * torch.exp2(torch.linspace(-6, 6, 7))[:, None]
@@ -33,15 +43,33 @@ def test_each_band_round_trips_within_half_a_step_and_16_bits_is_float16(scale, 
     assert codes.dtype == torch.uint8 and codes.shape == (3, 7, sum(b.code_bytes for b in bands))
     assert scales.dtype == torch.uint8 and scales.shape == (3, 7, 6 * SCALES[scale])
     y = dequantize(codes, scales, bands, 64)
+    fitted_below = scale == "float16"
     for k, band in enumerate(bands[1:]):
         part = slice(band.start, band.start + band.size)
         raw = scales[..., k * SCALES[scale] : (k + 1) * SCALES[scale]]
         step = (raw.contiguous().view(torch.float16).float() if scale == "float16"
                 else torch.exp2((raw.float() - 128) / 8))
-        assert torch.all((x[..., part] - y[..., part]).abs() <= step / 2 * (1 + 1e-6))
-        # the step is the band's absmax over its outermost level, rounded up to the scale format's next value
+        # the covering step: the band's absmax over its outermost level, rounded up to the scale format's next value
         ideal = x[..., part].abs().amax(-1, keepdim=True) / (2 ** (band.bits - 1) - 0.5)
-        assert torch.all(step >= ideal) and torch.all(step <= ideal * coarsest * (1 + 1e-6))
+        if scale == "float16":  # legacy exports keep the covering step: no value clipped
+            assert torch.all(step >= ideal) and torch.all(step <= ideal * coarsest * (1 + 1e-6))
+            assert torch.all((x[..., part] - y[..., part]).abs() <= step / 2 * (1 + 1e-6))
+            continue
+        # log8: the covering step or one of the FIT_STEPS below it, whichever rounds the band best
+        table = log8_scales()  # the 256 scales a log8 byte stands for
+        steps_up = raw.long() - 128
+        cover = torch.bucketize(ideal, table) - 128
+        assert torch.all(steps_up <= cover) and torch.all(steps_up >= cover - FIT_STEPS)
+        fitted_below = fitted_below or bool((steps_up < cover).any())
+        err = (x[..., part] - y[..., part]).square().sum(-1)
+        for k in range(FIT_STEPS + 1):
+            s_k = table[(cover + 128 - k).clamp(min=0)]
+            level = torch.floor(x[..., part] / s_k + 2 ** (band.bits - 1)).clamp(0, 2**band.bits - 1)
+            other = ((level + 0.5 - 2 ** (band.bits - 1)) * s_k - x[..., part]).square().sum(-1)
+            assert torch.all(err <= other)
+        unclipped = x[..., part].abs() <= (2 ** (band.bits - 1)) * step  # inside the outermost level's cell
+        assert torch.all(((x[..., part] - y[..., part]).abs() <= step / 2 * (1 + 1e-6))[unclipped])
+    assert fitted_below, "no band's fitted step fell below its covering one"
     assert torch.equal(y[..., :2], x[..., :2].half().float())
     assert torch.equal(y[..., 54:], torch.zeros(3, 7, 10))
     assert torch.equal(roundtrip(x, bands), y)

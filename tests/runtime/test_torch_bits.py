@@ -102,6 +102,7 @@ def test_encode_rows_writes_encode_heads_bytes(decoder):
     g = torch.Generator().manual_seed(3)
     cases = [(d.d_k, d.k_bands) for d in LAYERS.values()] + [(d.d_v, d.v_bands) for d in LAYERS.values()]
     cases += [((13, 64, 7), _random_heads((13, 64, 7), g)) for _ in range(12)]
+    cases += [((512,), (bands_from_bits([8] * 10 + [4] * 290 + [2] * 212),))]  # a band wider than C's 256-dim chunk
     for widths, bands in cases:  # torch's float16-scale sides take encode_heads itself: checked all the same
         x = _rows_to_encode(sum(widths), g)
         assert torch.equal(encode_rows(x, widths, bands), encode_heads(x, widths, bands))

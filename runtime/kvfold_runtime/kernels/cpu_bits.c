@@ -163,12 +163,34 @@ static inline uint16_t float_to_half(float f) {
     return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
 }
 
-/* One row's segments into its bytes: bands.quantize's bytes exactly. A quantized band's scale is the smallest
- * stored scale ≥ absmax / (2^(b−1) − ½) (a log8 byte: the first of the 256 table scales not below it; a float16:
- * rounded, then one step up if below), its codes floor(x / s + 2^(b−1)) clamped to [0, 2^b − 1], packed as a
- * little-endian bit stream. Here a segment's out_at is the dim it starts at in x. */
+/* A band's squared error with its codes against scale s (bands._fit_log8), summed in float64. The errors first
+ * (a loop the compiler vectorises), then four running sums: one chain of dependent float64 adds was most of the
+ * fit's time. (torch sums in its own order: the last bits of two nearly equal candidates may differ.) */
+static double band_error(const float *v, int n, float scale, float half, float top) {
+    float d[256];
+    double e[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int at = 0; at < n; at += 256) { /* 256 dims at a time: any head_dim */
+        int m = n - at < 256 ? n - at : 256;
+        for (int i = 0; i < m; i++) {
+            float q = floorf(v[at + i] / scale + half);
+            q = q < 0.0f ? 0.0f : (q > top ? top : q);
+            d[i] = (q + (0.5f - half)) * scale - v[at + i];
+        }
+        int i = 0;
+        for (; i + 4 <= m; i += 4)
+            for (int j = 0; j < 4; j++) e[j] += (double)d[i + j] * (double)d[i + j];
+        for (; i < m; i++) e[0] += (double)d[i] * (double)d[i];
+    }
+    return (e[0] + e[1]) + (e[2] + e[3]);
+}
+
+/* One row's segments into its bytes: bands.quantize's bytes exactly. A quantized band's covering scale is the
+ * smallest stored scale ≥ absmax / (2^(b−1) − ½) (a log8 byte: the first of the 256 table scales not below it; a
+ * float16: rounded, then one step up if below); a log8 band then takes, of it and the fit_steps bytes below it,
+ * the one with the least squared error (the first on a tie); its codes floor(x / s + 2^(b−1)) clamped to
+ * [0, 2^b − 1], packed as a little-endian bit stream. Here a segment's out_at is the dim it starts at in x. */
 static void encode_segments(const float *x, const int32_t *segments, int32_t n_segments, const float *log8,
-                            uint8_t *row) {
+                            int32_t fit_steps, uint8_t *row) {
     for (int32_t j = 0; j < n_segments; j++) {
         const int32_t *sg = segments + 6 * j;
         int at = sg[0], n = sg[1], bits = sg[2], code_at = sg[3], scale_at = sg[4], kind = sg[5];
@@ -193,8 +215,15 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
                 if (log8[mid] < ideal) lo = mid + 1; else hi = mid;
             }
             lo = lo > 255 ? 255 : lo;
-            row[scale_at] = (uint8_t)lo;
-            scale = log8[lo];
+            const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
+            double best = band_error(v, n, log8[lo], half, top);
+            int fitted = lo;
+            for (int c = lo - 1; c >= 0 && c >= lo - fit_steps; c--) {
+                double e = band_error(v, n, log8[c], half, top);
+                if (e < best) best = e, fitted = c;
+            }
+            row[scale_at] = (uint8_t)fitted;
+            scale = log8[fitted];
         } else {
             uint16_t h = float_to_half(ideal);
             if (half_to_float(h) < ideal) h++; /* positive and finite here: the next float16 up */
@@ -217,9 +246,9 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
 
 /* x [n_rows, x_stride] float32 -> rows at out + r * out_stride (row_bytes of them written per row). */
 void kvfold_encode_rows(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments,
-                        int32_t n_segments, const float *log8, uint8_t *out, int64_t out_stride) {
+                        int32_t n_segments, const float *log8, int32_t fit_steps, uint8_t *out, int64_t out_stride) {
 #pragma omp parallel for schedule(static) if (n_rows >= 256)
-    for (int64_t r = 0; r < n_rows; r++) encode_segments(x + r * x_stride, segments, n_segments, log8,
+    for (int64_t r = 0; r < n_rows; r++) encode_segments(x + r * x_stride, segments, n_segments, log8, fit_steps,
                                                          out + r * out_stride);
 }
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kvfold_runtime.bands import Band, log8_scales
+from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
@@ -93,7 +93,8 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.kvfold_vector_loops.restype = ctypes.c_int
     lib.kvfold_encode_rows.restype = None
     lib.kvfold_encode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                                       ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                       ctypes.c_int64]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -203,7 +204,8 @@ def _encode(x: torch.Tensor, segments: torch.Tensor, rows: torch.Tensor) -> None
         flat = flat.contiguous()
     assert rows.shape[0] == flat.shape[0] and rows.stride(-1) == 1 and rows.dtype == torch.uint8
     library().kvfold_encode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), segments.data_ptr(),
-                                 segments.shape[0], log8_scales("cpu").data_ptr(), rows.data_ptr(), rows.stride(0))
+                                 segments.shape[0], log8_scales("cpu").data_ptr(), FIT_STEPS, rows.data_ptr(),
+                                 rows.stride(0))
 
 
 def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> torch.Tensor:
