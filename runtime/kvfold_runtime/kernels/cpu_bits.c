@@ -164,8 +164,9 @@ static inline uint16_t float_to_half(float f) {
 }
 
 /* A band's squared error with its codes against scale s (bands._fit_log8), summed in float64. The errors first
- * (a loop the compiler vectorises), then four running sums: one chain of dependent float64 adds was most of the
- * fit's time. (torch sums in its own order: the last bits of two nearly equal candidates may differ.) */
+ * (a loop without a carried dependency, for the vectoriser), then four running sums: one chain of dependent
+ * float64 adds was most of the fit's time. (torch sums in its own order: the last bits of two nearly equal
+ * candidates may differ.) */
 static double band_error(const float *v, int n, float scale, float half, float top) {
     float d[256];
     double e[4] = {0.0, 0.0, 0.0, 0.0};
