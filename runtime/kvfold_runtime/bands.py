@@ -166,22 +166,25 @@ def _codes(x: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.floor(x / s + 2.0 ** (bits - 1)).clamp(0, 2**bits - 1)
 
 
+def _values(q: torch.Tensor, s: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes q (float) at scale s -> the level centres they stand for: what a reader gets back."""
+    return (q + 0.5 - 2.0 ** (bits - 1)) * s
+
+
 def _fit_log8(x: torch.Tensor, covering: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] float32, its covering log8 bytes [..., 1] -> (the fitted bytes, their scales): of the covering
     scale and the FIT_STEPS below it, the one with the least squared error (module docstring), the first on a tie."""
-    half = 2.0 ** (bits - 1)
-    best_c, best_s, best_e = covering, _decode_log8(covering), None
-    for k in range(FIT_STEPS + 1):
-        c = (covering.long() - k).clamp(min=0)
+    def error(c: torch.Tensor) -> torch.Tensor:
         s = _decode_log8(c)
-        e = ((_codes(x, s, bits) + (0.5 - half)) * s - x).double().square().sum(-1, keepdim=True)
-        if best_e is None:
-            best_e = e
-            continue
-        better = e < best_e
-        best_c, best_s = torch.where(better, c, best_c), torch.where(better, s, best_s)
-        best_e = torch.minimum(e, best_e)
-    return best_c.to(torch.uint8), best_s
+        return (_values(_codes(x, s, bits), s, bits) - x).double().square().sum(-1, keepdim=True)
+
+    best_c = covering.long()
+    best_e = error(best_c)
+    for k in range(1, FIT_STEPS + 1):
+        c = (covering.long() - k).clamp(min=0)
+        e = error(c)
+        best_c, best_e = torch.where(e < best_e, c, best_c), torch.minimum(e, best_e)
+    return best_c.to(torch.uint8), _decode_log8(best_c)
 
 
 def quantize(x: torch.Tensor, bands: tuple[Band, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +221,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bands: tuple[Band, ...
         else:
             q = _unpack(chunk, band.bits, band.size).float()
             s = _decode_scale(scales[..., k : k + band.scale_bytes], band.scale)
-            vals = (q + 0.5 - 2.0 ** (band.bits - 1)) * s
+            vals = _values(q, s, band.bits)
             k += band.scale_bytes
         out[..., band.start : band.start + band.size] = vals.to(dtype)
     return out

@@ -209,6 +209,7 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
         for (int i = 0; i < n; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
         float ideal = amax / ((float)(1 << (bits - 1)) - 0.5f), scale;
         ideal = ideal < 1e-30f ? 1e-30f : ideal;
+        const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
         if (kind == 1) {
             int lo = 0, hi = 256; /* the first table scale ≥ ideal (torch.bucketize), at most the last */
             while (lo < hi) {
@@ -216,7 +217,6 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
                 if (log8[mid] < ideal) lo = mid + 1; else hi = mid;
             }
             lo = lo > 255 ? 255 : lo;
-            const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
             double best = band_error(v, n, log8[lo], half, top);
             int fitted = lo;
             for (int c = lo - 1; c >= 0 && c >= lo - fit_steps; c--) {
@@ -231,7 +231,6 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
             row[scale_at] = (uint8_t)h, row[scale_at + 1] = (uint8_t)(h >> 8);
             scale = half_to_float(h);
         }
-        const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
         uint64_t acc = 0;
         int filled = 0;
         for (int i = 0; i < n; i++) {

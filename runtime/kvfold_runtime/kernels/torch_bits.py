@@ -170,16 +170,17 @@ def _encode(x, band_dims, levels, scale_at, band, half, top, shift, lo, hi, quan
     padded = torch.cat([x.abs(), x.new_zeros(x.shape[0], 1)], -1)  # dim D reads 0: the bands' padding
     ideal = (padded[:, band_dims].amax(-1) / levels).clamp_min(1e-30)  # [N, B], as bands.quantize
     covering = torch.bucketize(ideal, scales).clamp(max=255)  # the smallest log8 byte whose scale is ≥ ideal
-    c, best = covering, None
-    for k in range(FIT_STEPS + 1):  # the fitted scale, as bands.quantize: the least squared error, first on a tie
-        tried = (covering - k).clamp(min=0)
-        s = scales[tried][:, band]  # [N, D]
+
+    def error(c):  # [N, B] log8 bytes -> [N, B]: each band's squared error at them (bands._fit_log8)
+        s = scales[c][:, band]  # [N, D]
         q = torch.floor(x / s + half).clamp(min=0.0).minimum(top)
-        err = ((q + (0.5 - half)) * s - x).double().square()  # [N, D]; each band sums its own dims below
-        err = torch.cat([err, err.new_zeros(err.shape[0], 1)], -1)[:, band_dims].sum(-1)  # [N, B]
-        if best is None:
-            best = err
-            continue
+        err = ((q + 0.5 - half) * s - x).double().square()  # [N, D]; each band sums its own dims below
+        return torch.cat([err, err.new_zeros(err.shape[0], 1)], -1)[:, band_dims].sum(-1)
+
+    c, best = covering, error(covering)
+    for k in range(1, FIT_STEPS + 1):  # the fitted scale, as bands.quantize: the least squared error, first on a tie
+        tried = (covering - k).clamp(min=0)
+        err = error(tried)
         c, best = torch.where(err < best, tried, c), torch.minimum(err, best)
     s = scales[c][:, band]  # [N, D]
     q = torch.floor(x / s + half).clamp(min=0.0).minimum(top)
