@@ -12,7 +12,7 @@ import typer
 from rich.logging import RichHandler
 
 from kvfold.console import err, out, user_errors
-from kvfold.plan.recipe import DEFAULT_METRIC, V_SCALES, Recipe, RecipeOverrides
+from kvfold.plan.recipe import ALLOCATIONS, DEFAULT_METRIC, V_SCALES, Recipe, RecipeOverrides
 
 # kvfold.api (torch, transformers) and kvfold.report are imported inside each command, where the work starts,
 # so that `kvfold --help` and `kvfold CMD --help` answer at once (kvfold.plan.recipe is torch-free).
@@ -90,8 +90,9 @@ def export(
     min_rank: Annotated[int | None, typer.Option(help=f"Smallest rank of any head {_default('min_rank')}.")] = None,
     v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K "
                                                   f"[{V_SCALES['rank']:g}; bits: {V_SCALES['bits']:g}].")] = None,
-    allocation: Annotated[str | None, typer.Option(help="eq6 (one rate, the papers') or sensitivity (per-layer "
-                                                   f"rates from measured costs) {_default('allocation')}.")] = None,
+    allocation: Annotated[str | None, typer.Option(
+        help="eq6 (one rate, the papers') or sensitivity (rates from measured costs: per layer for ranks, per KV "
+             f"head's rounding for bits) [{ALLOCATIONS['rank']}; bits: {ALLOCATIONS['bits']}].")] = None,
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
                                                  f"unfavourable side {_default('margin')}.")] = None,
     search_steps: Annotated[int | None, typer.Option(help="Bisection steps of the accuracy search, one candidate "

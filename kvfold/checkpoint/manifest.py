@@ -18,6 +18,7 @@ from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportPlan, PreviousExport
 from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankRule
+from kvfold.plan.rounding import HeadScales
 from kvfold.plan.sensitivity import LayerScales
 from kvfold.sources.models import ModelRef
 from kvfold_runtime import (
@@ -39,7 +40,8 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # query/key statistics were averaged over. 1.5: `search_dtype`, the dtype the model ran in while scored, and
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
 # (one-byte log8; before, float16). 1.7: `tensor_parallel`, the tensor-parallel size the widths were balanced for.
-# 1.8: the keys' shift (`kvfold_k_shift` in extra_tensors; config.json's kvfold block says `key_shift`).
+# 1.8: the keys' shift (`kvfold_k_shift` in extra_tensors; config.json's kvfold block says `key_shift`). 1.9: a bits
+# export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`).
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
 # (kvfold_runtime.format): kvfold writes what every runtime reads.
@@ -117,6 +119,12 @@ class Manifest(_Frozen):
     layer_scale_v: list[float] = []
     layer_cost_k: list[float] = []  # the measured NLL increase per removed dim behind them
     layer_cost_v: list[float] = []
+    # bits format, sensitivity allocation: per layer and KV head, multipliers of θ_k / θ_v and the measured KL per
+    # unit of modelled rounding distortion behind them (plan/rounding.py)
+    head_scale_k: list[list[float]] = []
+    head_scale_v: list[list[float]] = []
+    head_cost_k: list[list[float]] = []
+    head_cost_v: list[list[float]] = []
     # RoPE models: the query/key statistics were averaged over positions [0, positions) before fitting
     # (factors/positions.py); None: fitted as calibrated (no RoPE, --context 0, or before 1.4)
     positions: int | None = None
@@ -177,8 +185,12 @@ class Manifest(_Frozen):
             curve=tuple(self.curve), passkey=self.passkey,
             baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl))
 
-    def layer_scales(self) -> LayerScales | None:
-        """The per-layer rate multipliers and the costs behind them (sensitivity allocation); None: eq6."""
+    def layer_scales(self) -> LayerScales | HeadScales | None:
+        """The multipliers and the costs behind them (sensitivity allocation): per layer (rank format) or per KV
+        head (bits format); None: eq6."""
+        if self.head_scale_k:
+            return HeadScales(*(tuple(map(tuple, x)) for x in (self.head_scale_k, self.head_scale_v,
+                                                                self.head_cost_k, self.head_cost_v)))
         if not self.layer_scale_k:
             return None
         return LayerScales(tuple(self.layer_scale_k), tuple(self.layer_scale_v), tuple(self.layer_cost_k),
@@ -226,9 +238,12 @@ def _target_fields(target: Target | None, ratio: float | None) -> dict:
     return dict(target=target.describe(), target_level=target.level, margin=target.margin)
 
 
-def _layer_fields(scales: LayerScales | None) -> dict:
-    """The per-layer lists of `scales` (Manifest.layer_scales reads them back); none for eq6."""
+def _layer_fields(scales: LayerScales | HeadScales | None) -> dict:
+    """The per-layer (or per-head) lists of `scales` (Manifest.layer_scales reads them back); none for eq6."""
     if scales is None:
         return {}
+    if isinstance(scales, HeadScales):
+        return dict(head_scale_k=list(map(list, scales.k)), head_scale_v=list(map(list, scales.v)),
+                    head_cost_k=list(map(list, scales.cost_k)), head_cost_v=list(map(list, scales.cost_v)))
     return dict(layer_scale_k=list(scales.k), layer_scale_v=list(scales.v), layer_cost_k=list(scales.cost_k),
                 layer_cost_v=list(scales.cost_v))

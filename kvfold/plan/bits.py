@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cache
 
 import torch
 
@@ -42,7 +41,7 @@ from kvfold.plan.recipe import V_SCALE  # θ_v / θ_k by default (measured there
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
 __all__ = ["KEY_MIN_BITS", "SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "bits_basis",
-           "dim_bits", "plan_bits", "theta_for_mean_bits"]
+           "dim_bits", "modelled_distortion", "plan_bits", "theta_for_mean_bits"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
@@ -55,9 +54,13 @@ class BitRule:
     theta_k: float  # distortion-per-bit multiplier for keys
     theta_v: float
     widths: tuple[int, ...] = BAND_WIDTHS  # allowed band widths
-    layer_k: tuple[float, ...] = ()  # per-layer multipliers of theta (sensitivity allocation); () = all 1
+    layer_k: tuple[float, ...] = ()  # per-layer multipliers of theta; () = all 1
     layer_v: tuple[float, ...] = ()
     scale: str = SCALE  # the bands' scale format (kvfold_runtime.bands.SCALES)
+    # per layer and KV head, multipliers of theta on top of the layer's (the sensitivity allocation,
+    # plan/rounding.py); () = all 1
+    head_k: tuple[tuple[float, ...], ...] = ()
+    head_v: tuple[tuple[float, ...], ...] = ()
 
     @property
     def r_k(self) -> float:  # the search's knob, recorded in the curve as r_k / r_v (plan/search.py)
@@ -71,6 +74,13 @@ class BitRule:
         wk = self.layer_k[layer] if self.layer_k else 1.0
         wv = self.layer_v[layer] if self.layer_v else 1.0
         return self.theta_k * wk, self.theta_v * wv
+
+    def head_thetas(self, layer: int, heads: int) -> tuple[list[float], list[float]]:
+        """Each KV head's θ_k and θ_v in `layer`."""
+        tk, tv = self.thetas(layer)
+        wk = self.head_k[layer] if self.head_k else (1.0,) * heads
+        wv = self.head_v[layer] if self.head_v else (1.0,) * heads
+        return [tk * w for w in wk], [tv * w for w in wv]
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,15 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scal
     return out[::-1]
 
 
+def modelled_distortion(spectrum: torch.Tensor, bits: list[int]) -> float:
+    """The water-filling's own price of one head's widths (descending σ): Σ_j λ̂_j·2^(−2b_j), a dropped dim
+    costing λ̂_j — the relative distortion one θ equalises across heads (plan/rounding.py measures what it
+    costs the model)."""
+    lam = spectrum.double() ** 2
+    lam = lam / lam.sum().clamp_min(1e-300)
+    return float(sum(x * (2.0 ** (-2 * b) if b else 1.0) for x, b in zip(lam.tolist(), bits, strict=True)))
+
+
 def bits_basis(basis: LayerBasis) -> LayerBasis:
     """The basis as the bits format orders and prices its value dims: A_v's columns sorted by the values' own
     mean square (v_energy), descending, and v_spectrum = its square root, so the water-filling's λ is what a
@@ -195,26 +214,30 @@ def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
     k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
     key_widths = _key_widths(rule.widths)
     for i, b in enumerate(map(bits_basis, bases)):
-        tk, tv = rule.thetas(i)
-        k_bits.append([dim_bits(s, tk, key_widths, scale_bits) for s in b.qk_spectrum])
-        v_bits.append([dim_bits(s, tv, rule.widths, scale_bits) for s in b.v_spectrum])
+        tk, tv = rule.head_thetas(i, len(b.qk_spectrum))
+        k_bits.append([dim_bits(s, t, key_widths, scale_bits) for s, t in zip(b.qk_spectrum, tk, strict=True)])
+        v_bits.append([dim_bits(s, t, rule.widths, scale_bits) for s, t in zip(b.v_spectrum, tv, strict=True)])
     return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1], scale=rule.scale)
 
 
-def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...], v_scale: float = 1.0) -> float:
-    """The θ_k (θ_v = v_scale·θ_k, no per-layer multipliers) whose plan stores about `bits` per number: for
-    sweeps by budget."""
+def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...], v_scale: float = 1.0,
+                        head_k: tuple[tuple[float, ...], ...] = (), head_v: tuple[tuple[float, ...], ...] = ()
+                        ) -> float:
+    """The θ_k (θ_v = v_scale·θ_k, no per-layer multipliers; per-head ones if given) whose plan stores about `bits`
+    per number: for sweeps by budget."""
+    def rule(theta: float) -> BitRule:
+        return BitRule(theta, v_scale * theta, widths, head_k=head_k, head_v=head_v)
+
     lo, hi = math.log(1e-9), math.log(1.0)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if plan_bits(bases, BitRule(math.exp(mid), v_scale * math.exp(mid), widths)).mean_bits() > bits:
+        if plan_bits(bases, rule(math.exp(mid))).mean_bits() > bits:
             lo = mid
         else:
             hi = mid
     return math.exp(hi)
 
 
-@cache
 def band_mixer(n: int) -> torch.Tensor:
     """[n, n] orthonormal DCT-II, float64: a band's dims are rotated by it (columns of the basis times it)."""
     i = torch.arange(n, dtype=torch.float64)

@@ -17,6 +17,7 @@ from kvfold.plan.criteria import Target
 from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankPlan, RankRule
 from kvfold.plan.recipe import Recipe
+from kvfold.plan.rounding import HeadScales
 from kvfold.plan.sensitivity import LayerScales
 from kvfold.sources.models import ModelRef
 from kvfold.sources.text import Mixture
@@ -48,7 +49,7 @@ class PreviousExport:
     band_scale: str | None  # bits format: the bands' scale format; None: rank format
     search_dtype: str
     positions: int | None
-    scales: LayerScales | None
+    scales: LayerScales | HeadScales | None
     curve: tuple[Point, ...]
     passkey: dict | None
     baseline: Baseline
@@ -78,7 +79,7 @@ class ExportPlan:
     allocation: str
     search_dtype: str  # the dtype the model ran in while the curve was scored
     positions: int | None  # the context the query/key statistics were averaged over (None: as calibrated)
-    scales: LayerScales | None  # per-layer rate multipliers (sensitivity allocation); None: eq6
+    scales: LayerScales | HeadScales | None  # per-layer rate multipliers (sensitivity allocation); None: eq6
     rule: RankRule | BitRule  # the chosen point's
     ranks: RankPlan
     bits: BitPlan | None  # bits format: every dim's width and the bands' scale format; None: rank format

@@ -28,6 +28,7 @@ from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.reuse import context_positions, pick
+from kvfold.plan.rounding import HeadScales, measure_head_scales
 from kvfold.plan.search import best_point
 from kvfold.plan.sensitivity import LayerScales, measure_scales
 from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression, measure
@@ -64,7 +65,8 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
     bases = with_key_shift(bases, fitted, net, ref.adapter.rope)
     windows = None if previous else _windows(inputs, target)
     if previous is None and recipe.allocation == "sensitivity":
-        log(f"measuring per-layer sensitivity on {recipe.sensitivity_tokens} tokens")
+        each = "KV head's rounding" if recipe.format == "bits" else "layer's"
+        log(f"measuring each {each} sensitivity on {recipe.sensitivity_tokens} tokens")
     scales = _layer_scales(inputs, bases, net, windows, log)
     rule = partial(_rule, recipe, scales)
     if previous is not None:
@@ -84,13 +86,15 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
         chosen=found.best, curve=found.curve, baseline=found.baseline, passkey=found.passkey)
 
 
-def _rule(recipe: Recipe, scales: LayerScales | None, r: float, r_v: float | None = None) -> RankRule | BitRule:
+def _rule(recipe: Recipe, scales: LayerScales | HeadScales | None, r: float, r_v: float | None = None
+          ) -> RankRule | BitRule:
     """The searched family's member at knob r (r_v = v_scale·r unless given): a rank rule, or for the bits format
     a bit rule whose knob is the water-filling's θ (plan/bits.py)."""
     r_v = recipe.v_scale * r if r_v is None else r_v
-    layers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
     if recipe.format == "bits":
-        return BitRule(theta_k=r, theta_v=r_v, **layers)
+        heads = dict(head_k=scales.k, head_v=scales.v) if isinstance(scales, HeadScales) else {}
+        return BitRule(theta_k=r, theta_v=r_v, **heads)
+    layers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
     return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, tp=recipe.tp, **layers)
 
 
@@ -107,14 +111,18 @@ def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:
 
 
 def _layer_scales(inputs: ExportInputs, bases: list[LayerBasis], net: nn.Module, windows: Sequences | None,
-                   log: Log) -> LayerScales | None:
-    """Per-layer rate multipliers: recorded in a previous export, measured now, or none (eq6)."""
+                   log: Log) -> LayerScales | HeadScales | None:
+    """Per-layer rate multipliers (rank format: plan/sensitivity.py) or per-head θ multipliers (bits format:
+    plan/rounding.py): recorded in a previous export, measured now, or none (eq6)."""
     recipe = inputs.recipe
     if recipe.allocation == "eq6":
         return None
     if inputs.previous is not None:
         return inputs.previous.scales
     n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
+    if recipe.format == "bits":  # KL per unit of rounding distortion, per KV head
+        probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True)
+        return measure_head_scales(bases, probe, recipe.v_scale, progress=log)
     probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True, compare=False)
     return measure_scales(bases, probe, recipe.min_rank, progress=log)
 

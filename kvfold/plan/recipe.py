@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from kvfold.errors import KVFoldError
 from kvfold.plan.criteria import Target
 
-__all__ = ["DEFAULT_METRIC", "V_SCALE", "V_SCALES", "Recipe", "RecipeOverrides", "load_recipe"]
+__all__ = ["ALLOCATIONS", "DEFAULT_METRIC", "SENSITIVITY_TOKENS", "V_SCALE", "V_SCALES", "Recipe", "RecipeOverrides",
+           "load_recipe"]
 
 DEFAULT_METRIC = "joint"  # with --max-kl: kl
 # θ_v = V_SCALE · θ_k by default in the bits format (plan/bits.py): the proxy there underprices keys' rounding error
@@ -30,6 +31,8 @@ DEFAULT_METRIC = "joint"  # with --max-kl: kl
 # multipliers): V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
 V_SCALE = 32.0
 V_SCALES = {"rank": 1.0, "bits": V_SCALE}  # the default v_scale of each format
+ALLOCATIONS = {"rank": "eq6", "bits": "sensitivity"}  # the default allocation of each format (Recipe.allocation)
+SENSITIVITY_TOKENS = {"rank": 4096, "bits": 2048}
 
 
 class Recipe(BaseModel):
@@ -50,12 +53,15 @@ class Recipe(BaseModel):
     # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's V_SCALES (bits:
     # keys need more bits than one θ gives them)
     v_scale: float = Field(default=None, gt=0.0)  # type: ignore[assignment]  # set below
-    # eq6: one r for every head, as in the papers. sensitivity: per-layer multipliers of r from costs measured on
-    # 512-token windows (plan/sensitivity.py), which cut layers that long-range retrieval needs: with the pass-key
-    # check (plan/longrange.py) SmolLM2's 0.99 export kept p = 0.0201 with eq6 and 0.0111 with sensitivity
-    # (README "Long context"), so eq6 is the default.
-    allocation: Literal["sensitivity", "eq6"] = "eq6"
-    sensitivity_tokens: int = Field(default=4096, ge=1)  # first tokens of eval_text used to measure costs
+    # eq6: one r for every head, as in the papers. sensitivity: multipliers of r measured once per export on the
+    # first sensitivity_tokens of eval_text. Rank format: per layer, from the NLL cost of removing dims
+    # (plan/sensitivity.py); that cut layers long-range retrieval needs: with the pass-key check
+    # (plan/longrange.py) SmolLM2's 0.99 export kept p = 0.0201 with eq6 and 0.0111 with sensitivity (README "Long
+    # context"), so eq6 is the rank format's default. Bits format: per KV head, from the KL cost of rounding
+    # (plan/rounding.py), the bits format's default (None: the format's default).
+    allocation: Literal["sensitivity", "eq6"] = None  # type: ignore[assignment]  # set below
+    # rank: 4,096; bits: 2,048 (its probes are per KV head: 2 × layers × KV heads of them)
+    sensitivity_tokens: int = Field(default=None, ge=1)  # type: ignore[assignment]  # set below
     # Every bound of the target is checked `margin` paired standard errors on the unfavourable side: a
     # lower confidence bound instead of the point estimate (1.0 ≈ 84% one-sided; 0 = the plain
     # definition). With ±0.3% standard error on 16K tokens, the point estimate alone lands under the
@@ -91,8 +97,11 @@ class Recipe(BaseModel):
     def _default_metric(cls, data):
         if isinstance(data, dict) and data.get("metric") is None:
             data = {**data, "metric": "kl" if data.get("max_kl") is not None else DEFAULT_METRIC}
-        if isinstance(data, dict) and data.get("v_scale") is None:
-            data = {**data, "v_scale": V_SCALES["bits" if data.get("format") == "bits" else "rank"]}
+        if isinstance(data, dict):
+            fmt = "bits" if data.get("format") == "bits" else "rank"
+            defaults = {"v_scale": V_SCALES[fmt], "allocation": ALLOCATIONS[fmt],
+                        "sensitivity_tokens": SENSITIVITY_TOKENS[fmt]}
+            data = {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
         return data
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ __all__ = ["K_POST", "K_SHIFT", "MANIFEST", "Q_POST", "SCHEMA_VERSION", "ConfigB
 MANIFEST = "kvfold.json"
 # The version kvfold writes (history: kvfold/checkpoint/manifest.py). A runtime reads every minor version of
 # its major: minor versions only add fields with defaults that keep older exports' meaning.
-SCHEMA_VERSION = "1.8"
+SCHEMA_VERSION = "1.9"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"  # post-RoPE projections, parameters of each attention module
 K_SHIFT = "kvfold_k_shift"  # the constant subtracted from post-RoPE keys (schema 1.8; absent: none)

@@ -19,6 +19,9 @@ from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.evaluate import Evaluator, Reference, score_model
 from kvfold.measure.metrics import Metrics
 from kvfold.measure.passkey import passkey_answers, passkey_prompts, passkey_summary
+from kvfold.plan.bits import V_SCALE
+from kvfold.plan.recipe import SENSITIVITY_TOKENS, Recipe
+from kvfold.plan.rounding import HeadScales, measure_head_scales
 from kvfold.plan.sensitivity import LayerScales, measure_scales
 from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
@@ -143,3 +146,15 @@ class Setup:
             return measure_scales(self.bases("aware", "text"), evaluator, min_rank=min(8, self.multiple))
 
         return self.once("scales", build)
+
+    def head_scales(self) -> HeadScales:
+        """The bits format's per-head θ multipliers (plan/rounding.py) of kvfold's own bases, measured on as
+        many tokens of export's default eval text as export measures them on (dev splits, never the scored text)."""
+        def build():
+            text = Recipe.model_fields["eval_text"].default
+            probe = text_sequences(self.tokenizer, resolve_text(text), SENSITIVITY_TOKENS["bits"], self.seq_len,
+                                   seed=0)
+            evaluator = Evaluator(self.model, self.adapter, probe, replay=True)
+            return measure_head_scales(self.bases("aware", "text"), evaluator, V_SCALE)
+
+        return self.once("head_scales", build)

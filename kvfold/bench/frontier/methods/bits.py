@@ -2,8 +2,9 @@
 cache in the bit-band format (kvfold_runtime.bands: a one-byte per-token scale per band, counted).
 
 The knob is the mean bits per stored number before scales; each is turned into the θ of the
-water-filling (θ_v = V_SCALE·θ_k) with no per-layer multipliers: the plan export makes by default
-(--allocation eq6). Bytes are the real per-token row bytes (codes + scales) of every head.
+water-filling (θ_v = V_SCALE·θ_k) with the per-head multipliers of the bits format's sensitivity allocation
+(plan/rounding.py, measured once per model: setup.head_scales): the plan export makes by default. The ablation
+kvfold-bits-eq6 gives every head one θ. Bytes are the real per-token row bytes (codes + scales) of every head.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ class KVFoldBits:
     knob: str = "mean bits per number (before scales)"
     origin: str | None = None
     grid: tuple[float, ...] = (6.0, 5.0, 4.5, 4.25, 4.0, 3.75, 3.5, 3.0)
+    allocation: str = "sensitivity"  # or "eq6": one θ for every head
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
-        rule = BitRule(1.0, 1.0)
+        widths = BitRule(1.0, 1.0).widths
+        scales = setup.head_scales() if self.allocation == "sensitivity" else None
+        heads = dict(head_k=scales.k, head_v=scales.v) if scales else {}
         for bits in self.grid:
-            theta = theta_for_mean_bits(bases, bits, rule.widths, V_SCALE)  # export's default K/V split
-            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, rule.widths))
+            theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads)  # export's default K/V split
+            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads))
             yield Candidate(bits, 1.0 - plan.compression, bit_patches(bases, plan, setup.dtype))
