@@ -314,11 +314,12 @@ def test_reuse_keeps_the_recorded_layer_scales(setup, tmp_path, monkeypatch):
     assert m.layer_scales() == weights and (m.chosen, m.d_k, m.d_v) == (prev.chosen, prev.d_k, prev.d_v)
 
 
-def test_a_bits_export_records_per_head_rounding_scales_by_default_and_reuse_keeps_them(setup, tmp_path, monkeypatch):
-    """The bits format's default allocation is sensitivity, per KV head (plan/rounding.HeadScales): recorded in
-    the manifest, and a reused curve plans with those very scales, measuring nothing."""
+def test_a_bits_sensitivity_export_records_per_head_rounding_scales_and_reuse_keeps_them(setup, tmp_path, monkeypatch):
+    """The bits format's sensitivity allocation is per KV head (plan/rounding.HeadScales): recorded in the
+    manifest, and a reused curve plans with those very scales, measuring nothing."""
     first, second = tmp_path / "a", tmp_path / "b"
-    result = _export(setup, first, "--accuracy", 0.5, "--format", "bits", "--passkey", 0)
+    bits = ("--accuracy", 0.5, "--format", "bits", "--passkey", 0, "--allocation", "sensitivity")
+    result = _export(setup, first, *bits)
     assert result.exit_code == 0, result.output
     prev = Manifest.load(first)
     scales = prev.layer_scales()
@@ -326,7 +327,7 @@ def test_a_bits_export_records_per_head_rounding_scales_by_default_and_reuse_kee
     assert [len(layer) for layer in scales.k + scales.cost_v] == [prev.num_kv_heads] * 4
     assert list(map(list, scales.k)) == prev.head_scale_k
     monkeypatch.setattr("kvfold.plan.planner.Evaluator", lambda *a, **k: pytest.fail("--reuse-curve must not evaluate"))
-    result = _export(setup, second, "--accuracy", 0.5, "--format", "bits", "--passkey", 0, "--reuse-curve", first)
+    result = _export(setup, second, *bits, "--reuse-curve", first)
     assert result.exit_code == 0, result.output
     m = Manifest.load(second)
     assert m.layer_scales() == scales and (m.chosen, m.k_bits, m.v_bits) == (prev.chosen, prev.k_bits, prev.v_bits)

@@ -83,11 +83,10 @@ def _verify(export, text: str, check: str) -> None:
 
 # Before the rank tests: its export (3.4 GB) is removed when it passes, before the rank export is written.
 def test_bits_export_meets_its_target_on_held_out_text(calib, tmp_path):
-    # eq6: the per-head rounding probes (the bits default, tested on tiny models) would add 112 Qwen evaluations
     out = tmp_path / "export"
     done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--format", "bits", "--accuracy", "0.9",
                                     "--margin", "0", "--eval-text", "pysrc:dev", "--eval-tokens", "512",
-                                    "--search-steps", "3", "--passkey", "0", "--allocation", "eq6", "-o", str(out),
+                                    "--search-steps", "3", "--passkey", "0", "-o", str(out),
                                     "--dtype", fast_dtype("bfloat16")])
     assert done.exit_code == 0, done.output
     _verify(out, "pysrc:eval", "target pysrc:eval")

@@ -31,7 +31,7 @@ DEFAULT_METRIC = "joint"  # with --max-kl: kl
 # multipliers): V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
 V_SCALE = 32.0
 V_SCALES = {"rank": 1.0, "bits": V_SCALE}  # the default v_scale of each format
-ALLOCATIONS = {"rank": "eq6", "bits": "sensitivity"}  # the default allocation of each format (Recipe.allocation)
+ALLOCATIONS = {"rank": "eq6", "bits": "eq6"}  # the default allocation of each format (Recipe.allocation)
 SENSITIVITY_TOKENS = {"rank": 4096, "bits": 2048}
 
 
@@ -53,12 +53,13 @@ class Recipe(BaseModel):
     # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's V_SCALES (bits:
     # keys need more bits than one θ gives them)
     v_scale: float = Field(default=None, gt=0.0)  # type: ignore[assignment]  # set below
-    # eq6: one r for every head, as in the papers. sensitivity: multipliers of r measured once per export on the
-    # first sensitivity_tokens of eval_text. Rank format: per layer, from the NLL cost of removing dims
-    # (plan/sensitivity.py); that cut layers long-range retrieval needs: with the pass-key check
-    # (plan/longrange.py) SmolLM2's 0.99 export kept p = 0.0201 with eq6 and 0.0111 with sensitivity (README "Long
-    # context"), so eq6 is the rank format's default. Bits format: per KV head, from the KL cost of rounding
-    # (plan/rounding.py), the bits format's default (None: the format's default).
+    # eq6: one r (bits: one θ) for every head, as in the papers. sensitivity: multipliers measured once per export on
+    # the first sensitivity_tokens of eval_text. Rank format: per layer, from the NLL cost of removing dims
+    # (plan/sensitivity.py); that cut layers long-range retrieval needs: with the pass-key check (plan/longrange.py)
+    # SmolLM2's 0.99 export kept p = 0.0201 with eq6 and 0.0111 with sensitivity (README "Long context"). Bits
+    # format: per KV head, from the KL cost of rounding (plan/rounding.py): KL −25% at equal bytes, but SmolLM2's
+    # 0.99 export with it (0.295 of fp16's bytes, 2026-11-28) lost 1 of 10 pass keys in the runtime that its
+    # simulated check kept. So eq6 is both formats' default (None: the format's default).
     allocation: Literal["sensitivity", "eq6"] = None  # type: ignore[assignment]  # set below
     # rank: 4,096; bits: 2,048 (its probes are per KV head: 2 × layers × KV heads of them)
     sensitivity_tokens: int = Field(default=None, ge=1)  # type: ignore[assignment]  # set below

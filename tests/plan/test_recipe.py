@@ -53,9 +53,9 @@ def test_the_default_target_is_joint_and_max_kl_chooses_the_kl_metric():
 def test_the_allocation_defaults_by_format_and_a_given_one_is_kept():
     rank, bits = Recipe(accuracy=0.99), Recipe(accuracy=0.99, format="bits")
     assert (rank.allocation, rank.sensitivity_tokens, rank.v_scale) == ("eq6", 4096, 1.0)
-    assert (bits.allocation, bits.sensitivity_tokens, bits.v_scale) == ("sensitivity", 2048, 32.0)
-    given = Recipe(accuracy=0.99, format="bits", allocation="eq6", sensitivity_tokens=512)
-    assert (given.allocation, given.sensitivity_tokens) == ("eq6", 512)
+    assert (bits.allocation, bits.sensitivity_tokens, bits.v_scale) == ("eq6", 2048, 32.0)
+    given = Recipe(accuracy=0.99, format="bits", allocation="sensitivity", sensitivity_tokens=512)
+    assert (given.allocation, given.sensitivity_tokens) == ("sensitivity", 512)
 
 
 def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():

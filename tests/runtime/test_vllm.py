@@ -198,10 +198,8 @@ def smollm2_exports(tmp_path_factory):
         api.calibrate("smollm2", root / "c", text="wiki:calib", tokens=2048)
         api.export("smollm2", root / "c", root / "full", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
         m = api.export("smollm2", root / "c", root / "p10", Recipe(ratio=0.10, multiple=1, eval_tokens=512)).manifest
-        # one θ for every head (eq6): the files and their serving are tested here, not the allocation, whose
-        # per-head probes (plan/rounding.py) would add 180 evaluations
         api.export("smollm2", root / "c", root / "bits", Recipe(format="bits", accuracy=0.97, eval_tokens=512,
-                                                                margin=0, passkey=0, allocation="eq6"))
+                                                                margin=0, passkey=0))
         yield {"orig": resolve_model("smollm2").path, "full": root / "full", "p10": root / "p10",
                "bits": root / "bits", "p": m.chosen.compression}
 

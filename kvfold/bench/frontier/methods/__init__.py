@@ -41,7 +41,7 @@ _ALL: list[Method] = [
     KVFold(name="kvfold+fp8", label="kvfold + fp8", fp8=True, grid=(0.0025, 0.005, 0.0075, 0.01, 0.015)),
     # the transform-coded cache (issue 13) and the quantized caches a user would pick instead of it
     KVFoldBits(),
-    KVFoldBits(name="kvfold-bits-eq6", label="kvfold-bits, one θ for every head (eq6)", allocation="eq6"),
+    KVFoldBits(name="kvfold-bits-heads", label="kvfold-bits, per-head θ from rounding costs", allocation="sensitivity"),
     IntPerToken(8),
     IntPerToken(4),
     Kivi(4),

@@ -2,9 +2,10 @@
 cache in the bit-band format (kvfold_runtime.bands: a one-byte per-token scale per band, counted).
 
 The knob is the mean bits per stored number before scales; each is turned into the θ of the
-water-filling (θ_v = V_SCALE·θ_k) with the per-head multipliers of the bits format's sensitivity allocation
-(plan/rounding.py, measured once per model: setup.head_scales): the plan export makes by default. The ablation
-kvfold-bits-eq6 gives every head one θ. Bytes are the real per-token row bytes (codes + scales) of every head.
+water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: the plan export makes by default
+(--allocation eq6). The variant kvfold-bits-heads plans with the per-head multipliers of the bits format's
+sensitivity allocation (plan/rounding.py, measured once per model: setup.head_scales). Bytes are the real
+per-token row bytes (codes + scales) of every head.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class KVFoldBits:
     knob: str = "mean bits per number (before scales)"
     origin: str | None = None
     grid: tuple[float, ...] = (6.0, 5.0, 4.5, 4.25, 4.0, 3.75, 3.5, 3.0)
-    allocation: str = "sensitivity"  # or "eq6": one θ for every head
+    allocation: str = "eq6"  # one θ for every head (export's default), or "sensitivity": per-head θ
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
