@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
@@ -238,6 +239,7 @@ def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int,
     return math.exp(hi)
 
 
+@cache
 def band_mixer(n: int) -> torch.Tensor:
     """[n, n] orthonormal DCT-II, float64: a band's dims are rotated by it (columns of the basis times it)."""
     i = torch.arange(n, dtype=torch.float64)

@@ -79,7 +79,7 @@ class ExportPlan:
     allocation: str
     search_dtype: str  # the dtype the model ran in while the curve was scored
     positions: int | None  # the context the query/key statistics were averaged over (None: as calibrated)
-    scales: LayerScales | HeadScales | None  # per-layer rate multipliers (sensitivity allocation); None: eq6
+    scales: LayerScales | HeadScales | None  # sensitivity: per-layer (ranks) or per-head (bits) multipliers
     rule: RankRule | BitRule  # the chosen point's
     ranks: RankPlan
     bits: BitPlan | None  # bits format: every dim's width and the bands' scale format; None: rank format

@@ -91,11 +91,13 @@ def _rule(recipe: Recipe, scales: LayerScales | HeadScales | None, r: float, r_v
     """The searched family's member at knob r (r_v = v_scale·r unless given): a rank rule, or for the bits format
     a bit rule whose knob is the water-filling's θ (plan/bits.py)."""
     r_v = recipe.v_scale * r if r_v is None else r_v
+    if isinstance(scales, HeadScales):  # bits, sensitivity (plan/rounding.py)
+        multipliers = dict(head_k=scales.k, head_v=scales.v)
+    else:  # per layer: the rank format's sensitivity, or a bits export's before schema 1.9 (a reused curve)
+        multipliers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
     if recipe.format == "bits":
-        heads = dict(head_k=scales.k, head_v=scales.v) if isinstance(scales, HeadScales) else {}
-        return BitRule(theta_k=r, theta_v=r_v, **heads)
-    layers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
-    return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, tp=recipe.tp, **layers)
+        return BitRule(theta_k=r, theta_v=r_v, **multipliers)
+    return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, tp=recipe.tp, **multipliers)
 
 
 def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:

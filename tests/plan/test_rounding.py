@@ -66,3 +66,20 @@ def test_measure_head_scales_scores_each_head_of_each_side_once():
     assert [len(layer) for layer in scales.k + scales.v] == [heads] * 4
     assert all(1 / CLIP <= w <= CLIP for layer in scales.k + scales.v for w in layer)
     assert all(c > 0 for layer in scales.cost_k + scales.cost_v for c in layer)  # a real KL for every head
+
+
+def test_the_searched_rule_takes_head_or_layer_multipliers_as_recorded():
+    """A bits export's sensitivity is per head since schema 1.9; a reused curve of an older bits export keeps its
+    per-layer multipliers."""
+    from kvfold.plan.planner import _rule
+    from kvfold.plan.recipe import Recipe
+    from kvfold.plan.rounding import HeadScales
+    from kvfold.plan.sensitivity import LayerScales
+
+    bits = Recipe(accuracy=0.99, format="bits", allocation="sensitivity")
+    heads = HeadScales(((1.0, 2.0),), ((0.5, 1.0),), ((1.0, 0.5),), ((2.0, 1.0),))
+    tk, tv = _rule(bits, heads, 1e-4).head_thetas(0, 2)
+    assert tk == pytest.approx([1e-4, 2e-4]) and tv == pytest.approx([bits.v_scale * 0.5e-4, bits.v_scale * 1e-4])
+    layers = LayerScales((3.0,), (0.5,), (1.0,), (1.0,))
+    assert _rule(bits, layers, 1e-4).thetas(0) == pytest.approx((3e-4, bits.v_scale * 0.5e-4))
+    assert _rule(Recipe(accuracy=0.99, allocation="sensitivity"), layers, 0.01).layer_k == (3.0,)
