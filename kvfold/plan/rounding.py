@@ -34,6 +34,7 @@ from kvfold.plan.bits import (
     plan_bits,
     theta_for_mean_bits,
 )
+from kvfold.plan.sensitivity import probe_progress
 
 __all__ = ["PROBE_BITS", "HeadScales", "measure_head_scales"]
 
@@ -105,8 +106,6 @@ def measure_head_scales(bases: list[LayerBasis], evaluator: Evaluator, v_scale: 
                 bits = (probe.k_bits if side == "k" else probe.v_bits)[layer][head]
                 costs[side][-1].append(kl / max(modelled_distortion(spectrum, bits), 1e-30))
                 done += 1
-                if progress is not None and done % max(1, total // 10) == 0 and done < total:
-                    left = (time.monotonic() - t0) / done * (total - done)
-                    progress(f"sensitivity probes {done}/{total}, about {left:.0f} s left")
+                probe_progress(progress, done, total, t0)
     as_tuples = {s: tuple(tuple(layer) for layer in c) for s, c in costs.items()}
     return HeadScales(_scales(costs["k"]), _scales(costs["v"]), as_tuples["k"], as_tuples["v"])

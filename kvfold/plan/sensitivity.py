@@ -20,7 +20,7 @@ from kvfold.factors import LayerBasis
 from kvfold.measure.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
 
-__all__ = ["PROBE_RATE", "LayerScales", "measure_scales"]
+__all__ = ["PROBE_RATE", "LayerScales", "measure_scales", "probe_progress"]
 
 PROBE_RATE = 0.15  # removes ~1/3 of a layer's key dims and ~1/4 of its value dims on SmolLM2
 FLOOR = 2e-5  # NLL per dim: below this a cost is noise (costs can even measure negative)
@@ -44,6 +44,14 @@ def _scales(costs: list[float]) -> tuple[float, ...]:
     return tuple(min(CLIP, max(1 / CLIP, (mean / x) ** ALPHA)) for x in c)
 
 
+def probe_progress(progress: Callable[[str], None] | None, done: int, total: int, started: float) -> None:
+    """After each tenth of `total` probes (not the last), a line for `progress` with the time left at the pace
+    since `started` (time.monotonic); the bits format's per-head probes (plan/rounding.py) report the same way."""
+    if progress is not None and done % max(1, total // 10) == 0 and done < total:
+        left = (time.monotonic() - started) / done * (total - done)
+        progress(f"sensitivity probes {done}/{total}, about {left:.0f} s left")
+
+
 def measure_scales(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int,
                     progress: Callable[[str], None] | None = None) -> LayerScales:
     """2 × layers evaluations of `evaluator`'s windows (use a few thousand tokens); `progress` gets a line
@@ -64,7 +72,5 @@ def measure_scales(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int,
             metrics = evaluator.score(factors_for(bases, RankPlan(d_k, d_v, d)), compare=False)
             costs[kind].append((metrics.nll - evaluator.baseline.nll) / removed)
             done = len(costs["k"]) + len(costs["v"])
-            if progress is not None and done % max(1, total // 10) == 0 and done < total:
-                left = (time.monotonic() - t0) / done * (total - done)
-                progress(f"sensitivity probes {done}/{total}, about {left:.0f} s left")
+            probe_progress(progress, done, total, t0)
     return LayerScales(_scales(costs["k"]), _scales(costs["v"]), tuple(costs["k"]), tuple(costs["v"]))

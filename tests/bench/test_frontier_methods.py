@@ -174,18 +174,18 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     # bytes: independently, every head's row bytes of a plan at the same budget, as export plans it by default
     # (eq6: no per-layer or per-head multipliers)
     bases = setup.bases("aware", "text")
-    theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths, V_SCALE)
-    plan = plan_bits(bases, BitRule(theta, V_SCALE * theta))
-    rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
-    assert cands[1].kv_fraction == pytest.approx(sum(rows) / (len(rows) * 2 * plan.head_dim))
+
+    def bytes_share(**heads) -> float:  # the plan at 4 bits per number: its rows' bytes / fp16's
+        theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths, V_SCALE, **heads)
+        plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, **heads))
+        rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
+        return sum(rows) / (len(rows) * 2 * plan.head_dim)
+
+    assert cands[1].kv_fraction == pytest.approx(bytes_share())
     # the per-head variant: the same budget with the rounding probes' multipliers (plan/rounding.py)
     scales = setup.head_scales()
-    heads = dict(head_k=scales.k, head_v=scales.v)
-    theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths, V_SCALE, **heads)
-    plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, **heads))
-    rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
     (per_head,) = replace(METHODS["kvfold-bits-heads"], grid=(4.0,)).candidates(setup)
-    assert per_head.kv_fraction == pytest.approx(sum(rows) / (len(rows) * 2 * plan.head_dim))
+    assert per_head.kv_fraction == pytest.approx(bytes_share(head_k=scales.k, head_v=scales.v))
     assert not torch.equal(frontier_logits(setup, per_head.patches), frontier_logits(setup, cands[1].patches))
     # nearly every dim at 16 bits (float16 storage): the original's logits up to float16 round-off
     assert _close(frontier_logits(setup, cands[0].patches), frontier_logits(setup), 2e-2)
