@@ -106,8 +106,9 @@ def export(
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
     reuse_curve: Annotated[Path | None, typer.Option(help="A previous export: pick from its curve, "
                                                       "evaluate nothing.")] = None,
-    passkey: Annotated[int | None, typer.Option(help="Choose the most compressed passing point that retrieves as many "
-                                                "pass keys in prompts of this many tokens as the original "
+    passkey: Annotated[int | None, typer.Option(help="Choose the most compressed passing point that retrieves the "
+                                                "original's pass keys in prompts of this many tokens, each by a "
+                                                "margin rounding cannot erase, as well as the original "
                                                 f"{_default('passkey')}; 0: skip (short contexts only).")] = None,
     dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32, bfloat16 or "
                                               f"float16 {_default('dtype')}; the written weights keep the source's "

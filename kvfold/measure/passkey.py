@@ -17,6 +17,7 @@ without a cache, and works for the frontier's patched attention as for a served 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["DEPTHS", "PasskeyPrompt", "passkey_answers", "passkey_hits", "passkey_length", "passkey_prompts",
+__all__ = ["DEPTHS", "Answers", "PasskeyPrompt", "passkey_answers", "passkey_hits", "passkey_length", "passkey_prompts",
            "passkey_summary"]
 
 INTRO = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it."
@@ -72,19 +73,30 @@ def passkey_length(model: nn.Module, context: int) -> int:
     return min(context, getattr(model.config.get_text_config(), "max_position_embeddings", None) or context)
 
 
-def passkey_answers(model: nn.Module, prompts: list[PasskeyPrompt]) -> tuple[list[bool], list[float]]:
-    """Per prompt: whether greedy decoding after its question writes its key, and the answer's mean NLL per
-    token in nats (teacher-forced, the same forward pass). The count sits at a small model's noise floor —
-    SmolLM2's answers win by 0.26–1.4 nats — so the NLL is what tells two nearby caches apart."""
-    hits, nlls = [], []
+class Answers(NamedTuple):
+    """Per prompt, from one teacher-forced forward pass over prompt + answer."""
+    hits: list[bool]  # greedy decoding writes the key
+    nlls: list[float]  # the answer's mean NLL per token, nats
+    margins: list[float]  # the smallest, over the answer's tokens, of its logit minus the best other token's:
+    # > 0 iff the key is retrieved; how far a key is from flipping (rounding alone moves it by ~0.2, plan/longrange.py)
+
+
+def passkey_answers(model: nn.Module, prompts: list[PasskeyPrompt]) -> Answers:
+    """Per prompt: whether greedy decoding after its question writes its key, the answer's mean NLL and its
+    logit margin (Answers). The count sits at a small model's noise floor — SmolLM2's answers win by 0.26–1.4
+    nats — so the NLL and the margin are what tell two nearby caches apart."""
+    out = Answers([], [], [])
     with torch.inference_mode():
         for p in prompts:
             ids = p.ids[None].to(model.device)
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1].float().cpu()
             answer = p.ids[-p.answer:]
-            hits.append(bool(torch.equal(logits.argmax(-1), answer)))
-            nlls.append(float(torch.nn.functional.cross_entropy(logits, answer)))
-    return hits, nlls
+            right = logits.gather(1, answer[:, None])[:, 0]
+            others = logits.scatter(1, answer[:, None], float("-inf")).amax(-1)
+            out.hits.append(bool(torch.equal(logits.argmax(-1), answer)))
+            out.nlls.append(float(torch.nn.functional.cross_entropy(logits, answer)))
+            out.margins.append(float((right - others).min()))
+    return out
 
 
 def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:
@@ -94,16 +106,18 @@ def passkey_hits(model: nn.Module, prompts: list[PasskeyPrompt]) -> list[bool]:
 
 
 def passkey_summary(prompts: list[PasskeyPrompt], hits: list[bool], nlls: list[float] | None = None,
-                    against: list[float] | None = None) -> dict:
+                    against: list[float] | None = None, margins: list[float] | None = None) -> dict:
     """Retrieved keys in all and per depth, for reports; with `nlls` the answers' mean NLL ± its standard error
     over the prompts, and with `against` (the original's NLLs on the same prompts) the paired difference
-    ± its standard error: > 0 means the answers lost probability."""
+    ± its standard error: > 0 means the answers lost probability; with `margins` (Answers) the smallest."""
     depths = sorted({p.depth for p in prompts})
     extra = {}
     if nlls:
         extra = {"answer_nll": _mean_se(nlls)}
         if against:
             extra["answer_nll_change"] = _mean_se([a - b for a, b in zip(nlls, against, strict=True)])
+    if margins:
+        extra["smallest_margin"] = round(min(margins), 4)
     return {"context": len(prompts[0].ids) if prompts else 0, "prompts": len(prompts), "retrieved": sum(hits),
             "by_depth": {f"{d:g}": sum(h for p, h in zip(prompts, hits, strict=True) if p.depth == d)
                          for d in depths}, **extra}

@@ -17,6 +17,16 @@ A quantized cache (the bits format) is checked under several roundings of the sa
 nudge) and counts the fewest keys any of them retrieves: SmolLM2's own answers win by 0.26–1.4 nats, and
 code flips from float round-off move a bits export's margins by up to 0.3, so one rounding's 10/10 was
 measured to become 8/10 in the served checkpoint.
+
+Counting is not enough either: a key kept by a hair under three roundings is lost by the next. Rounding flips
+grow through the layers, so each rounding is in effect a fresh draw of the cache's noise, and the answer's logit
+margin over the runner-up moves between draws. Measured on SmolLM2 (2026-11-28, docs/results.md): the per-head
+bits export at 0.295 of fp16 had, on one prompt, margins +0.35, +0.01, +0.30 under the check's roundings and
++0.11 served; on another +0.43, +0.28, +0.41, then −0.02 served — the key lost in `kvfold verify`. Spread over
+draws: 0.14 nats (pooled). So each point's margins are modelled per prompt as mean μ_p plus a spread σ common to
+the prompts, estimated from the roundings (pooled over prompts: 2 degrees of freedom each), and a point keeps the
+pass keys when every key the original retrieves is retrieved under every rounding and μ_p ≥ Z·σ for each:
+a fresh rounding — the served checkpoint's — loses that key with probability ≤ 5% (Gaussian model).
 """
 
 from __future__ import annotations
@@ -28,13 +38,14 @@ from torch import nn
 from kvfold.adapters import Adapter
 from kvfold.errors import KVFoldError
 from kvfold.hooks import AttentionPatch, patched
-from kvfold.measure.passkey import PasskeyPrompt, passkey_hits
+from kvfold.measure.passkey import PasskeyPrompt, passkey_answers
 from kvfold.plan.criteria import Target
 from kvfold.plan.point import Point
 
 __all__ = ["NUDGES", "keep_passkeys"]
 
 NUDGES = (0.0, 1e-6, -1e-6)  # a quantized cache's roundings the check runs (plan/stored.banded)
+Z = 1.645  # a kept key's mean margin is at least Z spreads: ≤ 5% chance a fresh rounding loses it (docstring)
 REFINE_GAP = 0.01  # compression p between the point kept and the next rejected one worth a point between them
 REFINE_STEPS = 3
 
@@ -44,29 +55,36 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
                   log: Callable[[str], None] = lambda line: None,
                   between: Callable[[Point, Point], Point] | None = None
                   ) -> tuple[Point, dict, list[Point]]:
-    """The most compressed point of `curve` that meets `target` and retrieves as many keys as `model`
-    itself under every patch set `patches_for` gives for it (one per rounding of its cache); a record of
-    the check for the manifest (the points rejected on the way, with the fewest keys a rounding retrieved);
-    and the points `between` scored to narrow the gap to the next rejected one (module docstring)."""
-    want = sum(passkey_hits(model, prompts))
-    record = {"context": len(prompts[0].ids), "prompts": len(prompts), "original": want, "rejected": []}
-
-    retrieved: dict[float, int] = {}  # compression -> the fewest keys its roundings retrieved
+    """The most compressed point of `curve` that meets `target` and retrieves every key `model` itself retrieves,
+    under every patch set `patches_for` gives for it (one per rounding of its cache), each by a mean margin of
+    Z spreads; a record of the check for the manifest (the points rejected on the way, with the fewest keys a
+    rounding retrieved and the margin summary); and the points `between` scored to narrow the gap to the next
+    rejected one (module docstring)."""
+    original = passkey_answers(model, prompts)
+    want = sum(original.hits)
+    record = {"context": len(prompts[0].ids), "prompts": len(prompts), "original": want, "z": Z, "rejected": []}
+    # compression -> the fewest keys its roundings retrieved, and the margin summary of the keys the original does
+    retrieved: dict[float, tuple[int, dict]] = {}
 
     def keeps(point: Point) -> bool:
-        counts = []
+        counts, margins = [], []
         for patches in patches_for(point) if point.compression > 0 else [{}]:
             with patched(model, adapter, patches):
-                counts.append(sum(passkey_hits(model, prompts)))
-            if counts[-1] < want:  # this point is out: the other roundings cannot bring it back
+                got = passkey_answers(model, prompts)
+            counts.append(sum(got.hits))
+            margins.append([m for m, hit in zip(got.margins, original.hits, strict=True) if hit])
+            if min(margins[-1], default=1.0) <= 0:  # a key lost: the other roundings cannot bring it back
                 break
-        retrieved[point.compression] = got = min(counts)
+        margin = _margin(margins)
+        retrieved[point.compression] = fewest, _ = min(counts), margin
         log(f"pass keys at p={point.compression:.4f}: {'/'.join(map(str, counts))} of {len(prompts)} at "
-            f"{record['context']} tokens{' (each rounding)' if len(counts) > 1 else ''} (original {want})")
+            f"{record['context']} tokens{' (each rounding)' if len(counts) > 1 else ''} (original {want}); the "
+            f"closest key's mean margin {margin['mean']:+.3f} nats, spread over roundings {margin['spread']:.3f}")
         record["roundings"] = max(record.get("roundings", 1), len(counts))
-        if got < want:
-            record["rejected"].append({"compression": point.compression, "retrieved": got})
-        return got >= want
+        if min(map(min, margins), default=1.0) <= 0 or margin["mean"] < Z * margin["spread"]:
+            record["rejected"].append({"compression": point.compression, "retrieved": fewest, **margin})
+            return False
+        return True
 
     passing = sorted((p for p in curve if target.met(p)), key=lambda p: (-p.compression, -target.slack(p)))
     rejected: Point | None = None
@@ -77,13 +95,28 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
             added: list[Point] = []
             if rejected is not None:
                 point, added = _narrow(point, rejected, target, keeps, between, log)
-            return point, {**record, "retrieved": retrieved[point.compression], "compression": point.compression,
+            fewest, margin = retrieved[point.compression]
+            return point, {**record, "retrieved": fewest, **margin, "compression": point.compression,
                            **({"refined": len(added)} if added else {})}, added
         rejected = point
-    best = max(record["rejected"], key=lambda r: r["retrieved"])
+    best = max(record["rejected"], key=lambda r: (r["retrieved"], r["mean"] - Z * r["spread"]))
     raise KVFoldError(f"no compression that meets the target keeps the pass keys at {record['context']} tokens (the "
-                      f"best retrieves {best['retrieved']}/{len(prompts)}, the original {want}); ask for a higher "
-                      "accuracy, or pass --passkey 0 if the model will only serve short contexts")
+                      f"best retrieves {best['retrieved']}/{len(prompts)}, its closest key by {best['mean']:+.2f} "
+                      f"± {best['spread']:.2f} nats over roundings; the original {want}); ask for a higher accuracy, "
+                      "or pass --passkey 0 if the model will only serve short contexts")
+
+
+def _margin(margins: list[list[float]]) -> dict:
+    """Per rounding, the margins of the keys the original retrieves -> the smallest per-prompt mean over the
+    roundings (`mean`) and the spread of a rounding's margin about its prompt's mean, pooled over the prompts
+    (`spread`; 0 with one rounding: an unquantized cache has no rounding noise)."""
+    if not margins[0]:
+        return {"mean": 0.0, "spread": 0.0}
+    rounds, prompts = len(margins), len(margins[0])
+    means = [sum(r[p] for r in margins) / rounds for p in range(prompts)]
+    sq = sum((r[p] - means[p]) ** 2 for r in margins for p in range(prompts))
+    spread = (sq / (prompts * (rounds - 1))) ** 0.5 if rounds > 1 else 0.0
+    return {"mean": round(min(means), 4), "spread": round(spread, 4)}
 
 
 def _narrow(kept: Point, rejected: Point, target: Target, keeps: Callable[[Point], bool],

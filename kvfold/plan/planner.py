@@ -165,6 +165,7 @@ def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windo
         return [evaluator.patches(factors_for(bases, plan_ranks(bases, chosen)), like)]
 
     def between(a: Point, b: Point) -> Point:  # scored as the search scores
+        started[0] = time.monotonic()  # its own time, not the pass-key checks before it
         point = measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)))
         scored(point)
         return point

@@ -156,11 +156,13 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
     except KVFoldError as e:
         report.passkey = {"skipped": f"the model's context of {context} tokens is too short ({e})"}
         return
-    (orig_hits, orig_nll), (exp_hits, exp_nll) = passkey_answers(original, prompts), passkey_answers(served, prompts)
-    hits = {"original": orig_hits, "exported": exp_hits}
-    # beside the counts, the answers' NLL (and the export's change against the original, paired by prompt)
-    report.passkey = {"original": passkey_summary(prompts, orig_hits, orig_nll),
-                      "exported": passkey_summary(prompts, exp_hits, exp_nll, against=orig_nll)}
+    orig, exp = passkey_answers(original, prompts), passkey_answers(served, prompts)
+    hits = {"original": orig.hits, "exported": exp.hits}
+    # beside the counts, the answers' NLL (and the export's change against the original, paired by prompt) and
+    # their smallest logit margin: how close the nearest key is to flipping
+    report.passkey = {"original": passkey_summary(prompts, orig.hits, orig.nlls, margins=orig.margins),
+                      "exported": passkey_summary(prompts, exp.hits, exp.nlls, against=orig.nlls,
+                                                  margins=exp.margins)}
     lost = sum(a and not b for a, b in zip(hits["original"], hits["exported"], strict=True))
     n, got = len(prompts), {k: sum(h) for k, h in hits.items()}
     depths = ", ".join(report.passkey["exported"]["by_depth"])
@@ -169,7 +171,9 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
         f"passkey {context}", got["exported"] >= got["original"],
         f"keys retrieved at {len(prompts[0].ids)} tokens, needle at depths {depths}: export {got['exported']}/{n}, "
         f"original {got['original']}/{n}" + (f"; {lost} the original retrieves are lost" if lost else "")
-        + f"; the answers' NLL {change['mean']:+.3f} ± {change['se']:.3f} nats against the original's"))
+        + f"; the answers' NLL {change['mean']:+.3f} ± {change['se']:.3f} nats against the original's; smallest "
+        f"answer margin {report.passkey['exported']['smallest_margin']:+.2f} (original "
+        f"{report.passkey['original']['smallest_margin']:+.2f})"))
 
 
 def _fidelity(m: Manifest, text: str, tokens: int, now: Point, same_windows: bool = True) -> Check:

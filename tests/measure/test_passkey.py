@@ -46,6 +46,8 @@ def test_one_forward_pass_scores_a_prompt_as_greedy_decoding_would():
                                                                               (int(greedy[i]) + 1) % 256)]),
                            prompt.answer, prompt.depth, prompt.key) for i in range(prompt.answer)]
     assert passkey_hits(model, [right, *wrong]) == [True] + [False] * prompt.answer
+    margins = passkey_answers(model, [right, *wrong]).margins  # > 0 exactly where the key is written
+    assert margins[0] > 0 and all(m < 0 for m in margins[1:])
     summary = passkey_summary([right, *wrong], [True] + [False] * prompt.answer)
     assert summary["retrieved"] == 1 and summary["by_depth"] == {f"{prompt.depth:g}": 1}
 
@@ -53,16 +55,23 @@ def test_one_forward_pass_scores_a_prompt_as_greedy_decoding_would():
 def test_the_answers_nll_is_the_mean_cross_entropy_of_its_tokens_and_compares_by_prompt():
     model = build_tiny("LlamaForCausalLM")
     prompts = passkey_prompts(tiny_tokenizer(), 512)[:3]
-    hits, nlls = passkey_answers(model, prompts)
+    hits, nlls, margins = passkey_answers(model, prompts)
     assert hits == passkey_hits(model, prompts)
     with torch.inference_mode():
-        for p, nll in zip(prompts, nlls, strict=True):
+        for p, nll, margin in zip(prompts, nlls, margins, strict=True):
             logits = model(input_ids=p.ids[None]).logits[0, -p.answer - 1 : -1]  # the full pass, every position
             want = -logits.log_softmax(-1).gather(-1, p.ids[-p.answer:, None]).mean()
             assert nll == pytest.approx(float(want), rel=1e-5)
+            # the margin: the answer's logit over the best other token's, at its closest position
+            ranked = logits.topk(2, -1).values
+            right = logits.gather(-1, p.ids[-p.answer:, None])[:, 0]
+            other = torch.where(ranked[:, 0] == right, ranked[:, 1], ranked[:, 0])
+            assert margin == pytest.approx(float((right - other).min()), abs=1e-4)
     worse = [x + 0.5 * i for i, x in enumerate(nlls)]
     summary = passkey_summary(prompts, hits, worse, against=nlls)
     mean = sum(worse) / 3
     assert summary["answer_nll"]["mean"] == pytest.approx(mean, abs=1e-4)
     assert summary["answer_nll_change"] == {"mean": 0.5, "se": pytest.approx(0.5 / 3**0.5, abs=1e-4)}  # 0, .5, 1
     assert "answer_nll" not in passkey_summary(prompts, hits)
+    assert passkey_summary(prompts, hits, nlls, margins=margins)["smallest_margin"] == pytest.approx(min(margins),
+                                                                                                   abs=1e-4)

@@ -6,7 +6,7 @@ import torch
 
 from kvfold.adapters import get_adapter
 from kvfold.errors import KVFoldError
-from kvfold.hooks import AttentionPatch
+from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.passkey import PasskeyPrompt, passkey_prompts
 from kvfold.plan.criteria import Target
 from kvfold.plan.longrange import keep_passkeys
@@ -82,3 +82,37 @@ def test_a_wide_gap_between_kept_and_rejected_is_narrowed_by_points_scored_betwe
     best, record, added = keep_passkeys(model, adapter, prompts, [_point(0.2), _point(0.5)], Target("top1", 0.99),
                                         lambda p: [broken] if p.compression > 0.4 else [{}])
     assert best.compression == 0.2 and added == [] and "refined" not in record
+
+
+def test_a_key_whose_margin_is_within_the_roundings_spread_is_not_kept():
+    """Every key retrieved under every rounding is not enough: each key's mean margin over the roundings must be
+    Z spreads (pooled over the prompts) above zero. Two roundings, one exact and one with the values scaled: by
+    0.98 the four keys are all kept, the closest by ~0.004 nats against a spread of ~0.01; by 0.995 the closest
+    mean margin is ~0.019 against a spread of ~0.002."""
+    from kvfold.measure.passkey import passkey_answers
+    from kvfold.plan.longrange import Z
+
+    model, adapter, prompts, _ = _setup(4)
+    layers = len(adapter.attention_modules(model))
+
+    def shrunk(a):
+        return {i: AttentionPatch(before=lambda q, k, v: (q, k, v * a)) for i in range(layers)}
+
+    def summary(a):  # the closest key's mean margin over the two roundings, and their pooled spread
+        with patched(model, adapter, shrunk(a)):
+            scaled = passkey_answers(model, prompts).margins
+        assert all(m > 0 for m in scaled)  # every key kept: the case this test is about
+        means = [(x + y) / 2 for x, y in zip(original.margins, scaled, strict=True)]
+        spread = (sum((x - y) ** 2 / 2 for x, y in zip(original.margins, scaled, strict=True)) / len(means)) ** 0.5
+        return min(means), spread
+
+    original = passkey_answers(model, prompts)
+    (close, close_spread), (clear, clear_spread) = summary(0.98), summary(0.995)
+    assert close < Z * close_spread and clear >= Z * clear_spread
+
+    best, record, _ = keep_passkeys(model, adapter, prompts, [_point(0.3), _point(0.5)], Target("top1", 0.99),
+                                    lambda p: [{}, shrunk(0.98 if p.compression == 0.5 else 0.995)])
+    assert best.compression == 0.3 and record["z"] == Z and record["retrieved"] == 4
+    assert record["rejected"] == [{"compression": 0.5, "retrieved": 4, "mean": pytest.approx(close, abs=1e-4),
+                                   "spread": pytest.approx(close_spread, abs=1e-4)}]
+    assert (record["mean"], record["spread"]) == (pytest.approx(clear, abs=1e-4), pytest.approx(clear_spread, abs=1e-4))

@@ -98,11 +98,11 @@ class Setup:
         prompts = self._prompts
         original = self.once("passkey_original", lambda: passkey_answers(self.model, prompts))
         if not patches and not proj_maps:
-            return passkey_summary(prompts, *original)
+            return passkey_summary(prompts, original.hits, original.nlls, margins=original.margins)
         with patched(self.model, self.adapter, patches), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
-            hits, nlls = passkey_answers(self.model, prompts)
-        return passkey_summary(prompts, hits, nlls, against=original[1])
+            got = passkey_answers(self.model, prompts)
+        return passkey_summary(prompts, got.hits, got.nlls, against=original.nlls, margins=got.margins)
 
     def once(self, key, build):
         if key not in self._cache:
