@@ -81,7 +81,8 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
             f"{record['context']} tokens{' (each rounding)' if len(counts) > 1 else ''} (original {want}); the "
             f"closest key's mean margin {margin['mean']:+.3f} nats, spread over roundings {margin['spread']:.3f}")
         record["roundings"] = max(record.get("roundings", 1), len(counts))
-        if min(map(min, margins), default=1.0) <= 0 or margin["mean"] < Z * margin["spread"]:
+        lost = any(m <= 0 for rounding in margins for m in rounding)  # a key the original retrieves
+        if lost or margin["mean"] < Z * margin["spread"]:
             record["rejected"].append({"compression": point.compression, "retrieved": fewest, **margin})
             return False
         return True

@@ -116,3 +116,13 @@ def test_a_key_whose_margin_is_within_the_roundings_spread_is_not_kept():
     assert record["rejected"] == [{"compression": 0.5, "retrieved": 4, "mean": pytest.approx(close, abs=1e-4),
                                    "spread": pytest.approx(close_spread, abs=1e-4)}]
     assert (record["mean"], record["spread"]) == (pytest.approx(clear, abs=1e-4), pytest.approx(clear_spread, abs=1e-4))
+
+
+def test_an_original_that_retrieves_no_key_keeps_every_point():
+    """Nothing to lose: the tiny model does not retrieve the standard prompts' keys, so the most compressed
+    passing point is kept, under any rounding."""
+    model, adapter, _, broken = _setup(1)
+    prompts = passkey_prompts(tiny_tokenizer(), 512)[:2]
+    best, record, _ = keep_passkeys(model, adapter, prompts, [_point(0.2), _point(0.5)], Target("top1", 0.99),
+                                    lambda p: [{}, broken])
+    assert best.compression == 0.5 and record["original"] == record["retrieved"] == 0 and record["rejected"] == []
