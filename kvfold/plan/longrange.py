@@ -67,13 +67,14 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
     retrieved: dict[float, tuple[int, dict]] = {}
 
     def keeps(point: Point) -> bool:
-        counts, margins = [], []
+        counts, margins, lost = [], [], False
         for patches in patches_for(point) if point.compression > 0 else [{}]:
             with patched(model, adapter, patches):
                 got = passkey_answers(model, prompts)
             counts.append(sum(got.hits))
             margins.append([m for m, hit in zip(got.margins, original.hits, strict=True) if hit])
-            if min(margins[-1], default=1.0) <= 0:  # a key lost: the other roundings cannot bring it back
+            lost = min(margins[-1], default=1.0) <= 0  # a key the original retrieves
+            if lost:  # the other roundings cannot bring it back
                 break
         margin = _margin(margins)
         retrieved[point.compression] = fewest, _ = min(counts), margin
@@ -81,7 +82,6 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
             f"{record['context']} tokens{' (each rounding)' if len(counts) > 1 else ''} (original {want}); the "
             f"closest key's mean margin {margin['mean']:+.3f} nats, spread over roundings {margin['spread']:.3f}")
         record["roundings"] = max(record.get("roundings", 1), len(counts))
-        lost = any(m <= 0 for rounding in margins for m in rounding)  # a key the original retrieves
         if lost or margin["mean"] < Z * margin["spread"]:
             record["rejected"].append({"compression": point.compression, "retrieved": fewest, **margin})
             return False
