@@ -49,8 +49,9 @@ def frontier(
                                              "--context.")] = 12288,
     context: Annotated[int, typer.Option(help="Window length every point is scored in (calibration stays at "
                                          "512).")] = 512,
-    passkey: Annotated[int, typer.Option(help="Also passkey retrieval in prompts of this many tokens: the original "
-                                         "and each method's best point at the target (0: skip).")] = 0,
+    passkey: Annotated[int, typer.Option(help="Also passkey retrieval in prompts of this many tokens: the original's, "
+                                         "and each method read as export reads its own: the smallest point at the "
+                                         "joint target that keeps the keys under three roundings (0: skip).")] = 0,
     calib_tokens: Annotated[int, typer.Option(help="--calib-text tokens per calibration.")] = 8192,
     calib_text: Annotated[str, typer.Option(help="Text the calibrations read (a code model: "
                                             "wiki:calib+pysrc:calib, as its export's).")] = "wiki:calib",

@@ -32,17 +32,18 @@ a fresh rounding — the served checkpoint's — loses that key with probability
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import nn
 
 from kvfold.adapters import Adapter
 from kvfold.errors import KVFoldError
 from kvfold.hooks import AttentionPatch, patched
-from kvfold.measure.passkey import PasskeyPrompt, passkey_answers
+from kvfold.measure.passkey import Answers, PasskeyPrompt, passkey_answers
 from kvfold.plan.criteria import Target
 from kvfold.plan.point import Point
 
-__all__ = ["NUDGES", "keep_passkeys"]
+__all__ = ["NUDGES", "Verdict", "judge", "keep_passkeys", "lost_key"]
 
 NUDGES = (0.0, 1e-6, -1e-6)  # a quantized cache's roundings the check runs (plan/stored.banded)
 Z = 1.645  # a kept key's mean margin is at least Z spreads: ≤ 5% chance a fresh rounding loses it (docstring)
@@ -67,25 +68,23 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
     retrieved: dict[float, tuple[int, dict]] = {}
 
     def keeps(point: Point) -> bool:
-        counts, margins, lost = [], [], False
+        draws = []
         for patches in patches_for(point) if point.compression > 0 else [{}]:
             with patched(model, adapter, patches):
-                got = passkey_answers(model, prompts)
-            counts.append(sum(got.hits))
-            margins.append([m for m, hit in zip(got.margins, original.hits, strict=True) if hit])
-            lost = min(margins[-1], default=1.0) <= 0  # a key the original retrieves
-            if lost:  # the other roundings cannot bring it back
+                draws.append(passkey_answers(model, prompts))
+            if lost_key(original, draws[-1]):  # the other roundings cannot bring it back
                 break
-        margin = _margin(margins)
-        retrieved[point.compression] = fewest, _ = min(counts), margin
-        log(f"pass keys at p={point.compression:.4f}: {'/'.join(map(str, counts))} of {len(prompts)} at "
-            f"{record['context']} tokens{' (each rounding)' if len(counts) > 1 else ''} (original {want}); the "
-            f"closest key's mean margin {margin['mean']:+.3f} nats, spread over roundings {margin['spread']:.3f}")
-        record["roundings"] = max(record.get("roundings", 1), len(counts))
-        if lost or margin["mean"] < Z * margin["spread"]:
-            record["rejected"].append({"compression": point.compression, "retrieved": fewest, **margin})
-            return False
-        return True
+        verdict = judge(original, draws)
+        retrieved[point.compression] = verdict.fewest, verdict.margin
+        log(f"pass keys at p={point.compression:.4f}: {'/'.join(map(str, verdict.counts))} of {len(prompts)} at "
+            f"{record['context']} tokens{' (each rounding)' if len(draws) > 1 else ''} (original {want}); the "
+            f"closest key's mean margin {verdict.margin['mean']:+.3f} nats, spread over roundings "
+            f"{verdict.margin['spread']:.3f}")
+        record["roundings"] = max(record.get("roundings", 1), len(draws))
+        if not verdict.kept:
+            record["rejected"].append({"compression": point.compression, "retrieved": verdict.fewest,
+                                       **verdict.margin})
+        return verdict.kept
 
     passing = sorted((p for p in curve if target.met(p)), key=lambda p: (-p.compression, -target.slack(p)))
     rejected: Point | None = None
@@ -105,6 +104,30 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
                       f"best retrieves {best['retrieved']}/{len(prompts)}, its closest key by {best['mean']:+.2f} "
                       f"± {best['spread']:.2f} nats over roundings; the original {want}); ask for a higher accuracy, "
                       "or pass --passkey 0 if the model will only serve short contexts")
+
+
+class Verdict(NamedTuple):
+    """The pass keys of one cache under its roundings, judged by the rule of the module docstring."""
+    kept: bool
+    counts: list[int]  # keys retrieved under each rounding tried
+    fewest: int
+    margin: dict  # the closest key's mean margin over the roundings ("mean") and the pooled spread ("spread")
+
+
+def lost_key(original: Answers, got: Answers) -> bool:
+    """Whether `got` misses a key the original retrieves: no further rounding can keep that cache."""
+    return any(m <= 0 for m, hit in zip(got.margins, original.hits, strict=True) if hit)
+
+
+def judge(original: Answers, draws: list[Answers]) -> Verdict:
+    """`draws`: the cache's answers under each rounding tried (one for a cache that does not round). Kept when
+    every key the original retrieves is retrieved under each and its mean margin is at least Z spreads.
+    Shared by export's check and the frontier's reading (bench/frontier/sweep.py)."""
+    margins = [[m for m, hit in zip(got.margins, original.hits, strict=True) if hit] for got in draws]
+    counts = [sum(got.hits) for got in draws]
+    margin = _margin(margins)
+    kept = not any(lost_key(original, got) for got in draws) and margin["mean"] >= Z * margin["spread"]
+    return Verdict(kept, counts, min(counts), margin)
 
 
 def _margin(margins: list[list[float]]) -> dict:

@@ -101,6 +101,11 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     assert "answer_nll_change" not in m["passkey_original"]
     change = fp8["passkey_at_best_passing"]["answer_nll_change"]
     assert change["se"] > 0 and abs(change["mean"]) < 1
+    # read as export reads its own: the tiny model retrieves no key, so fp8's one passing point keeps them all,
+    # judged under export's roundings (fp8 rounds: three draws)
+    assert fp8["kv_fraction_at_joint_target_with_passkeys"] == 0.5
+    (check,) = fp8["passkey_checks"]
+    assert check["kept"] and check["kv_fraction"] == 0.5 and len(check["retrieved"]) == 3
 
 
 @pytest.mark.parametrize("args, message", [

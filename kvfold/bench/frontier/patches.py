@@ -16,7 +16,7 @@ from kvfold.hooks import AttentionPatch
 from kvfold.measure.stored import banded, compressed
 
 __all__ = ["FP8_MAX", "ProjMap", "banded", "compressed", "fp8_roundtrip", "key_channel_mask", "mapped_projections",
-           "quantized_kv"]
+           "nudged", "quantized_kv"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ProjMap = Callable[[torch.Tensor], torch.Tensor]  # a projection's output [B, T, H_kv*d] -> the same
@@ -57,3 +57,24 @@ def mapped_projections(model: nn.Module, adapter: Adapter, maps: dict[tuple[int,
     finally:
         for h in handles:
             h.remove()
+
+
+def nudged(patches: dict[int, AttentionPatch], nudge: float) -> dict[int, AttentionPatch]:
+    """The same patches with each key and value number scaled by 1 ± `nudge` (a fixed random sign per number)
+    before them: another rounding of whatever cache they store, for any method. Rounding is discontinuous, so a
+    nudge of 1e-6 flips codes at level boundaries and draws the cache's noise again (export draws its own bits
+    cache the same way, plan/stored.banded); a cache that does not round barely moves. Signs, not one factor:
+    a scale computed from the numbers themselves (vLLM's per-token float32 scales) would absorb a common factor
+    and round every number as before."""
+    if not nudge:
+        return patches
+
+    def jitter(x: torch.Tensor) -> torch.Tensor:
+        signs = torch.randint(0, 2, x.shape, generator=torch.Generator().manual_seed(0)).to(x) * 2 - 1
+        return x * (1.0 + nudge * signs)
+
+    def wrap(patch: AttentionPatch) -> AttentionPatch:
+        inner = patch.before or (lambda q, k, v: (q, k, v))
+        return AttentionPatch(before=lambda q, k, v: inner(q, jitter(k), jitter(v)), after=patch.after)
+
+    return {i: wrap(patch) for i, patch in patches.items()}

@@ -18,7 +18,7 @@ from kvfold.factors.weights import o_proj_heads
 from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.evaluate import Evaluator, Reference, score_model
 from kvfold.measure.metrics import Metrics
-from kvfold.measure.passkey import passkey_answers, passkey_prompts, passkey_summary
+from kvfold.measure.passkey import Answers, passkey_answers, passkey_prompts, passkey_summary
 from kvfold.plan.bits import V_SCALE
 from kvfold.plan.recipe import SENSITIVITY_TOKENS, Recipe
 from kvfold.plan.rounding import HeadScales, measure_head_scales
@@ -27,7 +27,7 @@ from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
-from .patches import ProjMap, mapped_projections
+from .patches import ProjMap, mapped_projections, nudged
 
 __all__ = ["CALIBRATIONS", "Setup"]
 
@@ -95,14 +95,25 @@ class Setup:
                       proj_maps: dict[tuple[int, str], ProjMap] | None = None) -> dict:
         """Passkey keys retrieved and the answers' NLL (measure/passkey.py) with `patches` and `proj_maps`, as
         `score` runs; with any patch, also the NLL's change against the original's on the same prompts."""
-        prompts = self._prompts
-        original = self.once("passkey_original", lambda: passkey_answers(self.model, prompts))
+        original = self.passkey_original()
         if not patches and not proj_maps:
-            return passkey_summary(prompts, original.hits, original.nlls, margins=original.margins)
-        with patched(self.model, self.adapter, patches), \
+            return passkey_summary(self._prompts, original.hits, original.nlls, margins=original.margins)
+        return self.passkey_summary(self.passkey_answers(patches, proj_maps))
+
+    def passkey_original(self) -> Answers:
+        return self.once("passkey_original", lambda: passkey_answers(self.model, self._prompts))
+
+    def passkey_answers(self, patches: dict[int, AttentionPatch],
+                        proj_maps: dict[tuple[int, str], ProjMap] | None = None, nudge: float = 0.0) -> Answers:
+        """The passkey answers with `patches` (their cache rounded once more by `nudge`: patches.nudged) and
+        `proj_maps`."""
+        with patched(self.model, self.adapter, nudged(patches, nudge)), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
-            got = passkey_answers(self.model, prompts)
-        return passkey_summary(prompts, got.hits, got.nlls, against=original.nlls, margins=got.margins)
+            return passkey_answers(self.model, self._prompts)
+
+    def passkey_summary(self, got: Answers) -> dict:
+        original = self.passkey_original()
+        return passkey_summary(self._prompts, got.hits, got.nlls, against=original.nlls, margins=got.margins)
 
     def once(self, key, build):
         if key not in self._cache:

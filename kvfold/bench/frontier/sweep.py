@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from kvfold.measure.metrics import Metrics
 from kvfold.plan.criteria import Target
+from kvfold.plan.longrange import NUDGES, Verdict, judge, lost_key
 
 from .methods import Method
 from .setup import Setup
 
-__all__ = ["Point", "at_target", "meets", "sweep_model"]
+__all__ = ["Point", "at_target", "meets", "read_with_passkeys", "sweep_model"]
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +89,50 @@ def _run(method: Method, setup: Setup) -> tuple[list[Point], list]:
     return points, cands
 
 
+# Points checked per method, mildest last: each check is up to three 4K passes over ten prompts (minutes on a CPU)
+MAX_CHECKS = 4
+
+
+def read_with_passkeys(points: list[Point], target: float, check: Callable[[int], Verdict],
+                       max_checks: int = MAX_CHECKS) -> tuple[float | None, list[dict]]:
+    """The smallest measured KV fraction that meets the joint target on every text and keeps the pass keys by
+    export's rule (plan/longrange.judge: every key the original retrieves, under each rounding, by a mean margin
+    of Z spreads): the passing points from the smallest up, `check(i)` judging point i, at most `max_checks` of
+    them. A measured point, not interpolated: a count of keys has no line between two points. None when no point
+    checked keeps them; with each point checked."""
+    passing = sorted((i for i, p in enumerate(points) if meets(p, target)), key=lambda i: points[i].kv_fraction)
+    checked = []
+    for i in passing[:max_checks]:
+        verdict = check(i)
+        checked.append({"kv_fraction": points[i].kv_fraction, "kept": verdict.kept, "retrieved": verdict.counts,
+                        **verdict.margin})
+        if verdict.kept:
+            return points[i].kv_fraction, checked
+    return None, checked
+
+
 def _passkey(setup: Setup, points: list[Point], cands: list, target: float) -> dict:
-    """With --passkey: keys retrieved at the method's smallest measured point that keeps the joint target on
-    every text, and the answers' NLL against the original's on the same prompts (setup.passkey_score)."""
+    """With --passkey: the method read as export reads its own (read_with_passkeys), each point under as many
+    roundings as export draws (plan/longrange.NUDGES, here as patches.nudged: drawn the same way for every
+    method; a cache that does not round gets three alike answers and no spread), and the keys retrieved at the
+    smallest passing point with the answers' NLL against the original's (setup.passkey_summary)."""
     if not setup.passkey:
         return {}
-    best = min((i for i, p in enumerate(points) if meets(p, target)), key=lambda i: points[i].kv_fraction,
-               default=None)
-    if best is None:
-        return {"passkey_at_best_passing": None}
-    return {"passkey_at_best_passing": {"kv_fraction": points[best].kv_fraction,
-                                        **setup.passkey_score(cands[best].patches, cands[best].proj_maps)}}
+    original = setup.passkey_original()
+    first: dict = {}
+
+    def check(i: int) -> Verdict:
+        draws = []
+        for nudge in NUDGES:
+            draws.append(setup.passkey_answers(cands[i].patches, cands[i].proj_maps, nudge))
+            if lost_key(original, draws[-1]):
+                break
+        first.setdefault("summary", {"kv_fraction": points[i].kv_fraction, **setup.passkey_summary(draws[0])})
+        return judge(original, draws)
+
+    kept, checked = read_with_passkeys(points, target, check)
+    return {"passkey_at_best_passing": first.get("summary"),
+            "kv_fraction_at_joint_target_with_passkeys": kept, "passkey_checks": checked}
 
 
 def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict]:
