@@ -89,7 +89,7 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     res = CliRunner().invoke(app, [
         "frontier", "--model", str(model), "--method", "fp8", "--accuracy", "0.5", "--context", "1024",
         "--passkey", "1024", "--eval-tokens", "2048", "--calib-tokens", "1024", "--sensitivity-tokens", "512",
-        "--json", str(out)])
+        "--json", str(out), "--png", str(tmp_path / "f.png")])
     assert res.exit_code == 0, res.output
     (m,) = json.loads(out.read_text())["models"]
     assert m["context"] == 1024 and m["eval_tokens"] == 2048 - 2  # two 1,024-token windows
@@ -106,6 +106,7 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     assert fp8["kv_fraction_at_joint_target_with_passkeys"] == 0.5
     (check,) = fp8["passkey_checks"]
     assert check["kept"] and check["kv_fraction"] == 0.5 and len(check["retrieved"]) == 3
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the reading ringed, in the legend
 
 
 @pytest.mark.parametrize("args, message", [

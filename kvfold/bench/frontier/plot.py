@@ -53,8 +53,12 @@ def draw(report: dict, path: Path) -> None:
             at, joint = m["compression_at_target"], m.get("compression_at_joint_target")
             top.plot(xs, ys, label=f"{m['label']}: " + (f"{at:.1%} saved" if at is not None else "not reached"),
                      **style)
-            ppl.plot(xs, zs, label=f"{m['label']}: " + (f"{joint:.1%} saved" if joint is not None else "not reached"),
-                     **style)
+            ppl.plot(xs, zs, label=f"{m['label']}: " + (f"{joint:.1%} saved" if joint is not None else "not reached")
+                     + _with_keys(m), **style)
+            kept = m.get("kv_fraction_at_joint_target_with_passkeys")
+            if kept is not None:  # the point read with the pass keys (--passkey): ringed
+                z = next(p["ppl_ratio"] for p in pts if p["kv_fraction"] == kept)
+                ppl.plot([kept], [z], marker="o", ms=11, mfc="none", mec=style["color"], ls="none")
         _line(top, target, f" top-1 ratio {target:g}", "bottom")
         _line(ppl, 1 / target, f" perplexity ratio {1 / target:.4f}", "top")
         for ax in (top, ppl):
@@ -78,6 +82,14 @@ def draw(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _with_keys(m: dict) -> str:
+    """With --passkey: what the method keeps once its 4K pass keys must survive export's check too."""
+    if "passkey_checks" not in m or not m["passkey_checks"]:
+        return ""
+    kept = m["kv_fraction_at_joint_target_with_passkeys"]
+    return f"; with pass keys {1 - kept:.1%}" if kept is not None else "; pass keys lost"
 
 
 def _line(ax, y: float, text: str, va: str) -> None:

@@ -111,7 +111,7 @@ def read_with_passkeys(points: list[Point], target: float, check: Callable[[int]
     return None, checked
 
 
-def _passkey(setup: Setup, points: list[Point], cands: list, target: float) -> dict:
+def _passkey(setup: Setup, method: str, points: list[Point], cands: list, target: float) -> dict:
     """With --passkey: the method read as export reads its own (read_with_passkeys), each point under as many
     roundings as export draws (plan/longrange.NUDGES, here as patches.nudged: drawn the same way for every
     method; a cache that does not round gets three alike answers and no spread), and the keys retrieved at the
@@ -128,7 +128,12 @@ def _passkey(setup: Setup, points: list[Point], cands: list, target: float) -> d
             if lost_key(original, draws[-1]):
                 break
         first.setdefault("summary", {"kv_fraction": points[i].kv_fraction, **setup.passkey_summary(draws[0])})
-        return judge(original, draws)
+        verdict = judge(original, draws)
+        log.info("%s: pass keys at KV %.4f of fp16: %s of %d (each rounding), closest key's mean margin %+.3f, "
+                 "spread %.3f: %s", method, points[i].kv_fraction, "/".join(map(str, verdict.counts)),
+                 len(original.hits), verdict.margin["mean"], verdict.margin["spread"],
+                 "kept" if verdict.kept else "rejected")
+        return verdict
 
     kept, checked = read_with_passkeys(points, target, check)
     return {"passkey_at_best_passing": first.get("summary"),
@@ -163,7 +168,7 @@ def sweep_model(setup: Setup, methods: list[Method], target: float) -> list[dict
             "every_point_passes": len(passing) == len(points),  # the joint target, every text
             "best_measured_passing": None if not passing else asdict(min(passing, key=lambda p: p.kv_fraction)),
             "points": [asdict(p) for p in points],
-            **_passkey(setup, points, cands, target),
+            **_passkey(setup, method.name, points, cands, target),
             "seconds": round(time.perf_counter() - t0, 1),
         })
     return rows
