@@ -89,7 +89,7 @@ def _run(method: Method, setup: Setup) -> tuple[list[Point], list]:
     return points, cands
 
 
-# Points checked per method, mildest last: each check is up to three 4K passes over ten prompts (minutes on a CPU)
+# At most this many points checked per method, from the smallest up: a check is up to three 4K passes (minutes on a CPU)
 MAX_CHECKS = 4
 
 
