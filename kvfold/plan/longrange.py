@@ -31,7 +31,7 @@ a fresh rounding — the served checkpoint's — loses that key with probability
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from torch import nn
@@ -43,7 +43,7 @@ from kvfold.measure.passkey import Answers, PasskeyPrompt, passkey_answers
 from kvfold.plan.criteria import Target
 from kvfold.plan.point import Point
 
-__all__ = ["NUDGES", "Verdict", "judge", "keep_passkeys", "lost_key"]
+__all__ = ["NUDGES", "Verdict", "judge", "keep_passkeys"]
 
 NUDGES = (0.0, 1e-6, -1e-6)  # a quantized cache's roundings the check runs (plan/stored.banded)
 Z = 1.645  # a kept key's mean margin is at least Z spreads: ≤ 5% chance a fresh rounding loses it (docstring)
@@ -68,19 +68,18 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
     retrieved: dict[float, tuple[int, dict]] = {}
 
     def keeps(point: Point) -> bool:
-        draws = []
-        for patches in patches_for(point) if point.compression > 0 else [{}]:
+        def answers(patches: dict[int, AttentionPatch]) -> Answers:
             with patched(model, adapter, patches):
-                draws.append(passkey_answers(model, prompts))
-            if lost_key(original, draws[-1]):  # the other roundings cannot bring it back
-                break
-        verdict = judge(original, draws)
+                return passkey_answers(model, prompts)
+
+        roundings = patches_for(point) if point.compression > 0 else [{}]
+        verdict = judge(original, (answers(patches) for patches in roundings))
         retrieved[point.compression] = verdict.fewest, verdict.margin
         log(f"pass keys at p={point.compression:.4f}: {'/'.join(map(str, verdict.counts))} of {len(prompts)} at "
-            f"{record['context']} tokens{' (each rounding)' if len(draws) > 1 else ''} (original {want}); the "
+            f"{record['context']} tokens{' (each rounding)' if len(verdict.counts) > 1 else ''} (original {want}); the "
             f"closest key's mean margin {verdict.margin['mean']:+.3f} nats, spread over roundings "
             f"{verdict.margin['spread']:.3f}")
-        record["roundings"] = max(record.get("roundings", 1), len(draws))
+        record["roundings"] = max(record.get("roundings", 1), len(verdict.counts))
         if not verdict.kept:
             record["rejected"].append({"compression": point.compression, "retrieved": verdict.fewest,
                                        **verdict.margin})
@@ -114,20 +113,25 @@ class Verdict(NamedTuple):
     margin: dict  # the closest key's mean margin over the roundings ("mean") and the pooled spread ("spread")
 
 
-def lost_key(original: Answers, got: Answers) -> bool:
+def _lost_key(original: Answers, got: Answers) -> bool:
     """Whether `got` misses a key the original retrieves: no further rounding can keep that cache."""
     return any(m <= 0 for m, hit in zip(got.margins, original.hits, strict=True) if hit)
 
 
-def judge(original: Answers, draws: list[Answers]) -> Verdict:
-    """`draws`: the cache's answers under each rounding tried (one for a cache that does not round). Kept when
-    every key the original retrieves is retrieved under each and its mean margin is at least Z spreads.
+def judge(original: Answers, draws: Iterable[Answers]) -> Verdict:
+    """`draws`: the cache's answers under each rounding (one for a cache that does not round), read lazily and
+    no further than the first that loses a key the original retrieves: no later rounding can bring it back. Kept
+    when every key the original retrieves is retrieved under each and its mean margin is at least Z spreads.
     Shared by export's check and the frontier's reading (bench/frontier/sweep.py)."""
-    margins = [[m for m, hit in zip(got.margins, original.hits, strict=True) if hit] for got in draws]
-    counts = [sum(got.hits) for got in draws]
+    margins, counts, lost = [], [], False
+    for got in draws:
+        margins.append([m for m, hit in zip(got.margins, original.hits, strict=True) if hit])
+        counts.append(sum(got.hits))
+        lost = _lost_key(original, got)
+        if lost:
+            break
     margin = _margin(margins)
-    kept = not any(lost_key(original, got) for got in draws) and margin["mean"] >= Z * margin["spread"]
-    return Verdict(kept, counts, min(counts), margin)
+    return Verdict(not lost and margin["mean"] >= Z * margin["spread"], counts, min(counts), margin)
 
 
 def _margin(margins: list[list[float]]) -> dict:

@@ -51,7 +51,7 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
             "model": spec, "num_heads": layout.num_heads, "num_kv_heads": layout.num_kv_heads,
             "baseline_top1": round(setup.baseline.top1, 4), "baseline_ppl": round(setup.baseline.ppl, 3),
             "eval_tokens": setup.baseline.tokens, "context": setup.context,
-            **({"passkey_original": setup.passkey_score({})} if passkey else {}),
+            **({"passkey_original": setup.passkey_summary()} if passkey else {}),
             "methods": rows, **_versus_papers(rows),
             "notes": _notes(spec, rows),
         })

@@ -91,15 +91,6 @@ class Setup:
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
             return score_model(self.model, self.windows, self.batch, against=self.reference)
 
-    def passkey_score(self, patches: dict[int, AttentionPatch],
-                      proj_maps: dict[tuple[int, str], ProjMap] | None = None) -> dict:
-        """Passkey keys retrieved and the answers' NLL (measure/passkey.py) with `patches` and `proj_maps`, as
-        `score` runs; with any patch, also the NLL's change against the original's on the same prompts."""
-        original = self.passkey_original()
-        if not patches and not proj_maps:
-            return passkey_summary(self._prompts, original.hits, original.nlls, margins=original.margins)
-        return self.passkey_summary(self.passkey_answers(patches, proj_maps))
-
     def passkey_original(self) -> Answers:
         return self.once("passkey_original", lambda: passkey_answers(self.model, self._prompts))
 
@@ -111,8 +102,12 @@ class Setup:
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
             return passkey_answers(self.model, self._prompts)
 
-    def passkey_summary(self, got: Answers) -> dict:
+    def passkey_summary(self, got: Answers | None = None) -> dict:
+        """Keys retrieved and the answers' NLL (measure/passkey.py) of `got`, with the NLL's change against the
+        original's on the same prompts; without `got`, the original's own."""
         original = self.passkey_original()
+        if got is None:
+            return passkey_summary(self._prompts, original.hits, original.nlls, margins=original.margins)
         return passkey_summary(self._prompts, got.hits, got.nlls, against=original.nlls, margins=got.margins)
 
     def once(self, key, build):

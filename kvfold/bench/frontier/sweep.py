@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 from kvfold.measure.metrics import Metrics
 from kvfold.plan.criteria import Target
-from kvfold.plan.longrange import NUDGES, Verdict, judge, lost_key
+from kvfold.plan.longrange import NUDGES, Verdict, judge
 
 from .methods import Method
 from .setup import Setup
@@ -122,13 +122,14 @@ def _passkey(setup: Setup, method: str, points: list[Point], cands: list, target
     first: dict = {}
 
     def check(i: int) -> Verdict:
-        draws = []
-        for nudge in NUDGES:
-            draws.append(setup.passkey_answers(cands[i].patches, cands[i].proj_maps, nudge))
-            if lost_key(original, draws[-1]):
-                break
-        first.setdefault("summary", {"kv_fraction": points[i].kv_fraction, **setup.passkey_summary(draws[0])})
-        verdict = judge(original, draws)
+        def draws():
+            for nudge in NUDGES:
+                got = setup.passkey_answers(cands[i].patches, cands[i].proj_maps, nudge)
+                if not first:  # the smallest passing point's first rounding: its keys and NLL in the JSON
+                    first["summary"] = {"kv_fraction": points[i].kv_fraction, **setup.passkey_summary(got)}
+                yield got
+
+        verdict = judge(original, draws())
         log.info("%s: pass keys at KV %.4f of fp16: %s of %d (each rounding), closest key's mean margin %+.3f, "
                  "spread %.3f: %s", method, points[i].kv_fraction, "/".join(map(str, verdict.counts)),
                  len(original.hits), verdict.margin["mean"], verdict.margin["spread"],
