@@ -222,3 +222,52 @@ def test_rank_cache_decodes_read_its_numbers_in_c(dtype, window, reader, bs, wid
         want = reference_attention(qr[None].double(), k[None].double(), v[None].double(), d_k, d_v, group,
                                    scaling=0.3, mask=_window_mask(q_lens[r], seq_lens[r], window))[0]
         torch.testing.assert_close(got[start[r]:start[r + 1]].double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fmt", ["bits", "rank float32", "rank float16"])
+@pytest.mark.parametrize("reader", ["c", "c-scalar"])
+def test_a_decode_step_reads_vllms_block_table_in_c_without_a_plan(fmt, reader, monkeypatch):
+    """A step whose every request decodes one token, no window (vLLM's max_query_len 1): C reads the block table
+    and lengths as vLLM passes them (int32 table wider than any request needs, a last block partly written, the
+    rest of it NaN bytes), no StepPlan is built, and the output equals the planned path's bit for bit. Requests
+    from one to many blocks: a long one alone takes the split into parts."""
+    monkeypatch.setenv("KVFOLD_CPU_DECODER", reader)
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
+    d_k, d_v = [5, 12, 7], [3, 8, 17]
+    group, bs = 3, 16
+    seq_lens, q_lens = [1, 16, 17, 45, 130], [1] * 5
+    dtype = torch.float16 if fmt == "rank float16" else torch.float32
+    if fmt == "bits":
+        dims = _banded(d_k, d_v, group)
+        codec = row_codec(dims)
+        g = torch.Generator().manual_seed(3)
+        blocks_per = [(s + bs - 1) // bs for s in seq_lens]
+        kv = torch.full((sum(blocks_per) + 4, 1, bs, sum(dims.row_bytes())), 0xFF, dtype=torch.uint8)
+        table = torch.zeros(len(seq_lens), max(blocks_per) + 2, dtype=torch.int32)
+        table[:, :] = -7  # columns past a request's blocks: never read
+        order, used = torch.randperm(kv.shape[0] - 1, generator=g) + 1, 0
+        for r, s in enumerate(seq_lens):
+            table[r, :blocks_per[r]] = order[used:used + blocks_per[r]]
+            used += blocks_per[r]
+            pos = torch.arange(s)
+            write_paged(kv, table[r, pos // bs].long() * bs + pos % bs, torch.randn(s, sum(d_k), generator=g),
+                        torch.randn(s, sum(d_v), generator=g), codec=codec)
+        lens, start = torch.tensor(seq_lens, dtype=torch.int32), torch.arange(len(seq_lens) + 1)
+        q = torch.randn(len(seq_lens), group * sum(d_k), generator=g)
+    else:
+        kv, table, lens, start, q, _, _ = _case(d_k, d_v, group, seq_lens, q_lens, block_size=bs, dtype=dtype)
+        codec = row_codec(LayerDims(tuple(d_k), tuple(d_v), group))
+    planned = paged(q, kv, table, lens, start, d_k, d_v, group, scaling=0.3, codec=codec)
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("a decode step read in C builds no StepPlan")
+
+    monkeypatch.setattr(paged_module, "plan_step", no_plan)
+    import kvfold_runtime.kernels.dispatch as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "plan_step", no_plan)
+    out = torch.full_like(planned, float("nan"))
+    got = paged(q, kv, table, lens, start, d_k, d_v, group, scaling=0.3, codec=codec, max_query_len=1, out=out)
+    assert got is out and got.dtype == dtype and not got.isnan().any()
+    assert torch.equal(got, planned)

@@ -53,13 +53,24 @@ static inline uint64_t load_le(const uint8_t *p, int n) { /* n <= 8 bytes, littl
     return w;
 }
 
+/* The n ≤ 8 bytes at p in the low bytes of a word, read as one 8-byte load where `room` (the bytes from p to the end of
+ * the row) allows: byte by byte, a 6-bit band's eight codes cost six loads, shifts and ors, a third of its decode. The
+ * bytes past n that come with it (the next band's codes, a scale) are dropped by the caller's pdep, which takes the low
+ * 8 · bits bits only, or land in lanes its masked store drops. */
+static inline uint64_t load_codes(const uint8_t *p, int n, int64_t room) {
+    if (room < 8) return load_le(p, n);
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
 /* n codes of `bits` bits from `codes` into floats. With AVX2 and BMI2 (x86 since 2013), eight codes fill
  * `bits` bytes exactly: one pdep spreads them into one byte each, and the eight are widened, converted and
  * scaled as one vector (a partial last group read from its own bytes only, stored under a mask). Without them,
  * a scalar loop over groups of G codes that fill GB bytes (G * bits == 8 * GB). Either way the same float32
  * operations per code, so the same values. A code goes to float through int32: converting an unsigned 64-bit
  * integer is a slow multi-instruction sequence on x86. */
-static inline __attribute__((always_inline)) void band(const uint8_t *codes, int n, float *out, float s,
+static inline __attribute__((always_inline)) void band(const uint8_t *codes, int64_t room, int n, float *out, float s,
                                                        const int bits, const int G, const int GB) {
     const uint64_t mask = (1u << bits) - 1u;
     const float offset = 0.5f - (float)(1 << (bits - 1));
@@ -70,28 +81,29 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
     const __m256 vo = _mm256_set1_ps(offset), vs = _mm256_set1_ps(s);
 #ifdef __AVX512F__
     const __m512 vo16 = _mm512_set1_ps(offset), vs16 = _mm512_set1_ps(s);
-    for (; i + 16 <= n; i += 16, codes += 2 * bits) { /* sixteen at a time where vectors are that wide */
-        uint64_t lo = load_le(codes, bits), hi = load_le(codes + bits, bits);
+    for (; i + 16 <= n; i += 16, codes += 2 * bits, room -= 2 * bits) { /* sixteen at a time where vectors are that wide */
+        uint64_t lo = load_codes(codes, bits, room), hi = load_codes(codes + bits, bits, room - bits);
         if (bits != 8) lo = _pdep_u64(lo, spread), hi = _pdep_u64(hi, spread);
         __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)hi, (long long)lo)));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_add_ps(v, vo16), vs16));
     }
 #endif
-    for (; i + 8 <= n; i += 8, codes += bits) {
-        uint64_t w = load_le(codes, bits); /* in registers: a memcpy into w stalls store-to-load forwarding */
+    for (; i + 8 <= n; i += 8, codes += bits, room -= bits) {
+        uint64_t w = load_codes(codes, bits, room);
         if (bits != 8) w = _pdep_u64(w, spread);
         __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w)));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_add_ps(v, vo), vs));
     }
     if (i < n) {
         int rest = n - i;
-        uint64_t w = load_le(codes, (rest * bits + 7) / 8);
+        uint64_t w = load_codes(codes, (rest * bits + 7) / 8, room);
         if (bits != 8) w = _pdep_u64(w, spread);
         __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w)));
         __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         _mm256_maskstore_ps(out + i, keep, _mm256_mul_ps(_mm256_add_ps(v, vo), vs));
     }
 #else
+    (void)room;
     for (; i + G <= n; i += G, codes += GB) {
         uint64_t w = load_le(codes, GB);
         for (int k = 0; k < G; k++) out[i + k] = ((float)(int32_t)((w >> (k * bits)) & mask) + offset) * s;
@@ -107,7 +119,7 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
 /* n_rows rows' segments [first, last) into out (row r at rows + r * row_stride, its numbers at
  * out + r * out_stride; see the header for a segment's six numbers). Segment by segment, each over all the
  * rows: the segment is read and its width dispatched once per run of rows, not once per row. */
-static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int64_t n_rows,
+static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int64_t row_len, int64_t n_rows,
                                    const int32_t *segments, int32_t first, int32_t last, const float *log8,
                                    float *out, int64_t out_stride) {
     for (int32_t j = first; j < last; j++) {
@@ -135,12 +147,12 @@ static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int6
                          dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
             break;
         case 32: ROWS(memcpy(dst, src, sizeof(float) * (size_t)n)); break;
-        case 2: ROWS(band(src, n, dst, s, 2, 4, 1)); break;
-        case 3: ROWS(band(src, n, dst, s, 3, 8, 3)); break;
-        case 4: ROWS(band(src, n, dst, s, 4, 2, 1)); break;
-        case 5: ROWS(band(src, n, dst, s, 5, 8, 5)); break;
-        case 6: ROWS(band(src, n, dst, s, 6, 4, 3)); break;
-        case 8: ROWS(band(src, n, dst, s, 8, 1, 1)); break;
+        case 2: ROWS(band(src, row_len - code_at, n, dst, s, 2, 4, 1)); break;
+        case 3: ROWS(band(src, row_len - code_at, n, dst, s, 3, 8, 3)); break;
+        case 4: ROWS(band(src, row_len - code_at, n, dst, s, 4, 2, 1)); break;
+        case 5: ROWS(band(src, row_len - code_at, n, dst, s, 5, 8, 5)); break;
+        case 6: ROWS(band(src, row_len - code_at, n, dst, s, 6, 4, 3)); break;
+        case 8: ROWS(band(src, row_len - code_at, n, dst, s, 8, 1, 1)); break;
         default: ROWS(memset(dst, 0, sizeof(float) * (size_t)n)); /* 0: dims no band holds */
         }
 #undef ROWS
@@ -252,16 +264,32 @@ void kvfold_encode_rows(const float *x, int64_t n_rows, int64_t x_stride, const 
                                                          out + r * out_stride);
 }
 
+/* x [n_rows, x_stride] float32 -> row r's bytes at cache + slots[r] * row_bytes + at (slot -1: padding, skipped):
+ * a side (keys at 0, values after the keys' bytes) of vLLM's paged rows written in place, without the rows
+ * first written aside and scattered by torch (three ops and a copy per layer and step). */
+void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments, int32_t n_segments,
+                         const float *log8, int32_t fit_steps, uint8_t *cache, int64_t row_bytes, int64_t at,
+                         const int64_t *slots) {
+#pragma omp parallel for schedule(static) if (n_rows >= 256)
+    for (int64_t r = 0; r < n_rows; r++)
+        if (slots[r] >= 0)
+            encode_segments(x + r * x_stride, segments, n_segments, log8, fit_steps, cache + slots[r] * row_bytes + at);
+}
+
 /* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */
 int kvfold_vector_loops(void) { return KVFOLD_SIMD; }
 
+static void segment_span(const int32_t *segments, int32_t first, int32_t last, int64_t *span);
+
 void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride, const int32_t *segments,
                         int32_t n_segments, const float *log8, float *out, int64_t out_width) {
+    int64_t span[2]; /* the row's own bytes end where its last segment's do: no load reads past them */
+    segment_span(segments, 0, n_segments, span);
     int64_t runs = (n_rows + 15) / 16; /* sixteen rows at a time: a run's output stays in the L1 cache */
 #pragma omp parallel for schedule(static) if (n_rows >= 512)
     for (int64_t run = 0; run < runs; run++) {
         int64_t r0 = run * 16, n = n_rows - r0 < 16 ? n_rows - r0 : 16;
-        decode_segments(rows + r0 * row_stride, row_stride, n, segments, 0, n_segments, log8, out + r0 * out_width,
+        decode_segments(rows + r0 * row_stride, row_stride, span[1], n, segments, 0, n_segments, log8, out + r0 * out_width,
                         out_width);
     }
 }
@@ -493,6 +521,26 @@ static inline int direct_segment(const int32_t *segments, int32_t first, int32_t
            sg[3] % 4 == 0;
 }
 
+/* Where one request's blocks lie and which of their rows it sees. Either a StepPlan's (ids64 [B], valid [B ·
+ * block_size]: any window), or vLLM's own block table row (ids32) and the request's length `seq`: every row before
+ * it seen, the only case of a decode step without a sliding window, which then needs no plan from Python (one per
+ * KV cache group and step: with per-layer page sizes, vLLM makes a group of each size, 17 on SmolLM2's 0.99
+ * export). `ones` and `partial` [block_size]: a full block's and the last block's rows seen. */
+typedef struct {
+    const int64_t *ids64;
+    const uint8_t *valid;
+    const int32_t *ids32;
+    int64_t seq;
+    const uint8_t *ones, *partial;
+} request_blocks;
+
+static inline int64_t block_id(const request_blocks *rq, int64_t b) { return rq->ids64 ? rq->ids64[b] : rq->ids32[b]; }
+
+static inline const uint8_t *block_seen(const request_blocks *rq, int64_t b, int64_t block_size) {
+    if (rq->valid) return rq->valid + b * block_size;
+    return (b + 1) * block_size <= rq->seq ? rq->ones : rq->partial; /* only a request's last block is partial */
+}
+
 /* Decode attention read straight from the paged cache's codes: for each request n and KV head g, the group's
  * query heads attend over the request's S = B * block_size rows (block b of
  * request n is blocks[block_ids[n, b]], a block holds block_size rows of row_bytes; valid [N, S]) without writing
@@ -504,8 +552,8 @@ static inline int direct_segment(const int32_t *segments, int32_t first, int32_t
  * Segments per head: k_first[g] .. k_first[g + 1] of k_segments (out_at relative to the head's first dim,
  * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
  * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0. */
-static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_block, int64_t last_block,
-                   int64_t block_size, const uint8_t *valid, int64_t row_bytes, const float *qg, int32_t group,
+static void attend(const uint8_t *blocks, const request_blocks *rq, int64_t first_block, int64_t last_block,
+                   int64_t block_size, int64_t row_bytes, const float *qg, int32_t group,
                    int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
                    const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
                    float *kbuf, float *vbuf, int64_t padded, float *qpad, float *w, float *accpad, float *acc,
@@ -547,15 +595,15 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         for (int64_t r = 0; r < block_size; r++)
             memset(kbuf + r * padded + d_k, 0, sizeof(float) * (size_t)(kp - d_k));
     for (int64_t b = first_block; b < last_block; b++) {
-        const uint8_t *block = blocks + ids[b] * block_bytes, *seen = valid + b * block_size;
-        const uint8_t *next = b + 1 < last_block ? blocks + ids[b + 1] * block_bytes : NULL;
+        const uint8_t *block = blocks + block_id(rq, b) * block_bytes, *seen = block_seen(rq, b, block_size);
+        const uint8_t *next = b + 1 < last_block ? blocks + block_id(rq, b + 1) * block_bytes : NULL;
         int any = 0, all = 1;
         for (int64_t r = 0; r < block_size; r++) any |= seen[r], all &= seen[r] != 0;
         if (!any) continue;
         if (k_direct)
             kv.cols = (const float *)(block + k_segments[6 * k_first + 3]);
         else
-            decode_segments(block, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, padded);
+            decode_segments(block, row_bytes, row_bytes, block_size, k_segments, k_first, k_last, log8, kbuf, padded);
         for (int32_t j = 0; j < group; j++) best[j] = top[j];
         /* Rows read in place (float32) and rows decoded into a buffer are scored and fetched differently: each way
          * measured the faster for its own rows on SmolLM2's 30 layers at 4K tokens (kvfold-bench kernels on CPU
@@ -596,7 +644,7 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
         if (v_direct)
             vv.cols = (const float *)(block + v_segments[6 * v_first + 3]);
         else
-            decode_segments(block, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, padded);
+            decode_segments(block, row_bytes, row_bytes, block_size, v_segments, v_first, v_last, log8, vbuf, padded);
         for (int32_t j = 0; j < group; j++) add_rows(accpad + j * vp, vv, block_size, seen, all, w + j * block_size);
     }
     for (int32_t j = 0; j < group; j++) /* a tail's lane i holds column d_v − VW + i */
@@ -606,9 +654,13 @@ static void attend(const uint8_t *blocks, const int64_t *ids, int64_t first_bloc
 
 /* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 16 per thread (a short
  * batch of long contexts), each one's blocks are split in parts that are summed afterwards, flash-decoding's
- * way (the parts' sums rescaled to the largest score). Returns 0, or -1 when out of memory. */
-int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int64_t n_blocks, int64_t block_size,
-                            const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int64_t n_req,
+ * way (the parts' sums rescaled to the largest score). Request n reads either a plan's blocks, block_ids [N,
+ * n_blocks] and valid [N, n_blocks · block_size] (table NULL), or (block_ids and valid NULL) its row of vLLM's
+ * block table, table [N, ≥ n_blocks] (row stride table_stride) int32, and sees its first seq_lens[n] rows (at most
+ * n_blocks blocks). Returns 0, or -1 when out of memory. */
+int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, const int32_t *table, int64_t table_stride,
+                            const int32_t *seq_lens, int64_t n_blocks, int64_t block_size, const uint8_t *valid,
+                            int64_t row_bytes, const float *q, float *out, int64_t n_req,
                             int32_t n_kv, int32_t group, const int32_t *d_k, const int32_t *d_v,
                             const int32_t *k_segments, const int32_t *k_first, const int32_t *v_segments,
                             const int32_t *v_first, const float *log8, float scaling) {
@@ -619,9 +671,16 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
         q_width += group * d_k[g];
         o_width += group * d_v[g];
     }
+    if (table) { /* the blocks the longest request reads */
+        int64_t longest = 0;
+        for (int64_t n = 0; n < n_req; n++) longest = seq_lens[n] > longest ? seq_lens[n] : longest;
+        longest = (longest + block_size - 1) / block_size;
+        n_blocks = longest < n_blocks ? longest : n_blocks;
+    }
     int64_t heads = n_req * n_kv, want = 16 * (int64_t)omp_get_max_threads();
     int64_t parts = heads >= want ? 1 : (want + heads - 1) / heads;
-    parts = parts > n_blocks ? n_blocks : (parts < 1 ? 1 : parts);
+    parts = parts > n_blocks ? n_blocks : parts;
+    parts = parts < 1 ? 1 : parts; /* no block to read (every request empty): one empty part each */
     int64_t per_part = (n_blocks + parts - 1) / parts, stride = (int64_t)group * (widest + 2);
     float *partial = malloc(sizeof(float) * (size_t)(heads * parts * stride));
     if (!partial) return -1;
@@ -634,7 +693,8 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
         float *vbuf = kbuf ? kbuf + buf_floats : NULL, *qpad = vbuf ? vbuf + buf_floats : NULL;
         float *accpad = qpad ? qpad + group * padded : NULL;
         float *scores = malloc(sizeof(float) * (size_t)(block_size * group));
-        if (!kbuf || !scores) {
+        uint8_t *seen = malloc((size_t)(2 * block_size)); /* request_blocks' ones and partial */
+        if (!kbuf || !scores || !seen) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)
@@ -644,18 +704,29 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, int
                 for (int32_t h = 0; h < g; h++) q_at += group * d_k[h];
                 int64_t b0 = part * per_part, b1 = b0 + per_part > n_blocks ? n_blocks : b0 + per_part;
                 float *acc = partial + item * stride, *top = acc + group * widest, *total = top + group;
+                request_blocks rq = {NULL, NULL, NULL, 0, seen, seen + block_size};
+                if (table) {
+                    rq.ids32 = table + n * table_stride, rq.seq = seq_lens[n];
+                    int64_t count = (rq.seq + block_size - 1) / block_size, last = rq.seq - (count - 1) * block_size;
+                    b1 = b1 < count ? b1 : count;
+                    memset(seen, 1, (size_t)block_size);
+                    memset(seen + block_size, 0, (size_t)block_size);
+                    memset(seen + block_size, 1, (size_t)(count > 0 ? last : 0));
+                } else {
+                    rq.ids64 = block_ids + n * n_blocks, rq.valid = valid + n * n_blocks * block_size;
+                }
                 if (b0 >= b1) {
                     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
                     continue;
                 }
-                attend(blocks, block_ids + n * n_blocks, b0, b1, block_size, valid + n * n_blocks * block_size,
-                       row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
+                attend(blocks, &rq, b0, b1, block_size, row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
                        k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, kbuf, vbuf, padded,
                        qpad, scores, accpad, acc, top, total);
             }
         }
         free(kbuf);
         free(scores);
+        free(seen);
     }
     if (!failed) { /* the parts of each (request, KV head) summed: out = Σ acc·e^(top - m) / Σ total·e^(top - m) */
 #pragma omp parallel for schedule(static)

@@ -32,7 +32,8 @@ from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
-__all__ = ["NUMBER_DTYPES", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library"]
+__all__ = ["NUMBER_DTYPES", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library",
+           "write_layer_slots_c"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -86,15 +87,20 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
         _log.warning("kvfold: building the C decoder of bits caches failed (%s); decoding in torch (slower)", e)
         return None
     lib.kvfold_decode_attention.restype = ctypes.c_int
-    lib.kvfold_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    lib.kvfold_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                            ctypes.c_int32, ctypes.c_int32]
     lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float]
     lib.kvfold_vector_loops.restype = ctypes.c_int
     lib.kvfold_encode_rows.restype = None
     lib.kvfold_encode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                                        ctypes.c_int64]
+    lib.kvfold_encode_slots.restype = None
+    lib.kvfold_encode_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -218,6 +224,26 @@ def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> to
     return rows
 
 
+def _floats(x: torch.Tensor) -> torch.Tensor:
+    """x [N, ...] -> float32 [N, width], unit stride along the width (any row stride)."""
+    flat = x.reshape(x.shape[0], -1).float()
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def write_layer_slots_c(rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        dims: LayerDims) -> None:
+    """A bits layer's paged rows written in place: k [N, Σ d_k], v [N, Σ d_v] on the CPU -> encode_layer_rows_c's
+    bytes at rows[slots[i]] (rows [num_slots, row bytes] uint8, contiguous; slots int64, −1: padding, skipped).
+    library() must not be None."""
+    lib, lay = library(), _layer(dims)
+    assert rows.is_contiguous() and rows.dtype == torch.uint8 and rows.shape[-1] == lay.key_bytes + lay.value_bytes
+    slots = slots.to(torch.int64).contiguous()
+    for x, segments, at in ((_floats(k), lay.k_rows, 0), (_floats(v), lay.v_rows, lay.key_bytes)):
+        assert x.shape[0] == slots.shape[0]
+        lib.kvfold_encode_slots(x.data_ptr(), x.shape[0], x.stride(0), segments.data_ptr(), segments.shape[0],
+                                lay.log8.data_ptr(), FIT_STEPS, rows.data_ptr(), rows.shape[-1], at, slots.data_ptr())
+
+
 def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
     """rows [..., row bytes] uint8 on the CPU -> [..., Σ widths] float32 (decode_heads' values). library() must
     not be None."""
@@ -246,23 +272,37 @@ def encode_rows_c(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[B
     return out
 
 
-def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor,
-                       dims: LayerDims, *, scaling: float) -> torch.Tensor:
+def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.Tensor, valid: torch.Tensor | None,
+                       dims: LayerDims, *, scaling: float, seq_lens: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention read from a layer's paged cache, no decoded copy of it and no gather of its blocks:
     q [N, Σ_h d_k(g(h))], blocks [num_blocks, block_size, C] — a bits layer's uint8 rows of codes (the keys'
     bytes, then the values'), or a rank layer's numbers (float32, float16 or bfloat16: keys, then values) —,
-    block_ids [N, B] the blocks each request reads, valid [N, B·block_size] the rows it sees
-    -> [N, Σ_h d_v(g(h))] float32: attention over decode_heads' values (or the numbers) up to float32 round-off
-    (torch_decode.packed_decode's contract). library() must not be None; group ≤ 64."""
+    and which rows each request reads: either block_ids [N, B] its blocks and valid [N, B·block_size] the rows it
+    sees (a StepPlan's), or (`seq_lens` [N] given, valid None) block_ids vLLM's block table [N, ≥ its blocks]
+    (int32) and every row before seq_lens[n] seen, as in a decode step without a sliding window
+    -> [N, Σ_h d_v(g(h))] float32, into `out` when given (float32, contiguous): attention over
+    decode_heads' values (or the numbers) up to float32 round-off (torch_decode.packed_decode's contract).
+    library() must not be None; group ≤ 64."""
     lib, lay = library(), _layer(dims, blocks.dtype)
-    n, b = block_ids.shape
+    n = q.shape[0]
     (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
     row_bytes = lay.key_bytes + lay.value_bytes
     assert blocks.is_contiguous() and blocks.shape[2] * blocks.element_size() == row_bytes
-    ids, q = block_ids.long().contiguous(), q.float().contiguous()
-    valid = valid.contiguous().view(torch.uint8)
-    out = q.new_empty(n, lay.out_width)
-    failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids.data_ptr(), b, blocks.shape[1], valid.data_ptr(),
+    q = q.float().contiguous()
+    if out is None:
+        out = q.new_empty(n, lay.out_width)
+    assert out.dtype == torch.float32 and out.shape == (n, lay.out_width) and out.is_contiguous()
+    if seq_lens is None:
+        ids, valid = block_ids.long().contiguous(), valid.contiguous().view(torch.uint8)
+        table, stride, lens, b = None, 0, None, block_ids.shape[1]
+        ids, valid = ids.data_ptr(), valid.data_ptr()
+    else:
+        table, lens = block_ids.to(torch.int32), seq_lens.to(torch.int32).contiguous()
+        assert valid is None and table.stride(-1) == 1 and lens.shape[0] == n
+        stride, ids, b = table.stride(0), None, table.shape[1]  # C reads as many of its columns as seq_lens need
+    failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids, None if table is None else table.data_ptr(), stride,
+                                         None if lens is None else lens.data_ptr(), b, blocks.shape[1], valid,
                                          row_bytes, q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
                                          lay.d_k.data_ptr(), lay.d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
                                          v_seg.data_ptr(), v_first.data_ptr(), lay.log8.data_ptr(), scaling)

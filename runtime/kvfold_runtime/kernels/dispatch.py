@@ -17,7 +17,15 @@ import os
 
 import torch
 
-from kvfold_runtime.kernels.paged import BandRows, NumberRows, RowCodec, StepPlan, paged_attention, plan_step
+from kvfold_runtime.kernels.paged import (
+    BandRows,
+    NumberRows,
+    RowCodec,
+    StepPlan,
+    decode_step_c,
+    paged_attention,
+    plan_step,
+)
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
 __all__ = ["attention", "kernels_for", "paged", "paged_kernels_for"]
@@ -112,6 +120,10 @@ def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_
     that lives as long as the step (vLLM's attention metadata keeps one), where the torch path keeps the
     step's StepPlan per (block size, window) for the next layers."""
     if paged_kernels_for(query, codec) == "torch":
+        if max_query_len == 1 and sliding_window is None:  # a decode step: C reads vLLM's table where it can
+            done = decode_step_c(query, kv, block_table, seq_lens, codec, scaling=scaling, out=out)
+            if done is not None:
+                return done
         plan = _plan(plans, block_table, seq_lens, query_start_loc, kv.shape[-2], sliding_window)
         return paged_attention(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group,
                                scaling=scaling, sliding_window=sliding_window, out=out, codec=codec, plan=plan)

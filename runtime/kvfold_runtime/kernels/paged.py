@@ -33,12 +33,19 @@ from typing import Protocol
 import torch
 
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.cpu_bits import NUMBER_DTYPES, decode_attention_c, encode_layer_rows_c, library
+from kvfold_runtime.kernels.cpu_bits import (
+    NUMBER_DTYPES,
+    decode_attention_c,
+    encode_layer_rows_c,
+    library,
+    write_layer_slots_c,
+)
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
-__all__ = ["BandRows", "NumberRows", "RowCodec", "StepPlan", "paged_attention", "plan_step", "row_codec", "write_paged"]
+__all__ = ["BandRows", "NumberRows", "RowCodec", "StepPlan", "decode_step_c", "paged_attention", "plan_step",
+           "row_codec", "write_paged"]
 
 
 class RowCodec(Protocol):
@@ -114,6 +121,9 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     n = slots.shape[0]
     k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
+    if isinstance(codec, BandRows) and k.device.type == "cpu" and slots.device.type == "cpu" and library() is not None:
+        write_layer_slots_c(rows, slots, k, v, codec.dims)  # encoded straight into the slots, padding skipped in C
+        return
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
@@ -176,6 +186,26 @@ def _reads_in_c(codec: RowCodec, query: torch.Tensor, blocks: torch.Tensor) -> b
                                                and codec.dims is not None and blocks.dtype in NUMBER_DTYPES)
     return (readable and query.device.type == "cpu" and codec.dims.group <= 64 and blocks.is_contiguous()
             and library() is not None)
+
+
+def decode_step_c(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  codec: RowCodec | None, *, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """paged_attention for a step whose every request decodes one token (query row n is request n's) with no
+    sliding window, read in C from vLLM's block table and lengths as they are: no StepPlan, which vLLM would
+    have the torch path build once per KV cache group and step (one group per distinct page size: 17 on
+    SmolLM2's 0.99 bits export, ~0.1 ms each on a CPU). None where C does not read this cache (_reads_in_c)."""
+    blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
+    if codec is None or seq_lens.device.type != "cpu" or not _reads_in_c(codec, query, blocks):
+        return None
+    n, dims = seq_lens.shape[0], codec.dims
+    if out is None:
+        out = query.new_empty(query.shape[0], dims.group * sum(dims.d_v))
+    direct = out.dtype == torch.float32 and out.is_contiguous()  # written in place, else converted after
+    got = decode_attention_c(query[:n], blocks, block_table[:n], None, dims, scaling=scaling, seq_lens=seq_lens,
+                             out=out[:n] if direct else None)
+    if not direct:
+        out[:n] = got.to(out.dtype)
+    return out
 
 
 def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

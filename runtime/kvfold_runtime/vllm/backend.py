@@ -15,7 +15,10 @@ kvfold_runtime.kernels.dispatch.paged: on CUDA the Triton kernels (kernels/trito
 triton_prefill.py; triton_bits.py for bits caches), elsewhere and for fp8 caches the torch path
 kernels.paged_attention (any widths, d_k ≠ d_v, prefill, decode and chunked prefill, prefix caching, the
 model's original scaling, sliding windows), which decodes only the blocks it reads; what a step's batch reads
-(its StepPlan) is made by the step's first layer and kept in the step's metadata for the others.
+(its StepPlan) is made by the step's first layer and kept in the step's metadata for the others. A step of
+decodes only, no sliding window, on a CPU reads vLLM's block table and lengths in C as they are (no plan: vLLM
+keeps one metadata per KV cache group, and a bits export's per-layer page sizes make many groups), and a bits
+layer's rows are encoded straight into their slots.
 
 The per-head widths and bands reach the implementation through the layer (`kvfold_dims=` extra argument of
 vLLM's Attention). A rank layer's cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
