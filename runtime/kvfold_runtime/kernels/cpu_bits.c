@@ -53,9 +53,9 @@ static inline uint64_t load_le(const uint8_t *p, int n) { /* n <= 8 bytes, littl
     return w;
 }
 
-/* The n ≤ 8 bytes at p in the low bytes of a word, read as one 8-byte load where `room` (the bytes from p to the end of
- * the row) allows: byte by byte, a 6-bit band's eight codes cost six loads, shifts and ors, a third of its decode. The
- * bytes past n that come with it (the next band's codes, a scale) are dropped by the caller's pdep, which takes the low
+/* The n ≤ 8 bytes at p in the low bytes of a word, read as one 8-byte load where `room` (the bytes from p to the
+ * end of the row) allows: byte by byte, a 6-bit band's eight codes cost six loads, shifts and ors. The bytes past
+ * n that come with it (the next band's codes, a scale) are dropped by the caller's pdep, which takes the low
  * 8 · bits bits only, or land in lanes its masked store drops. */
 static inline uint64_t load_codes(const uint8_t *p, int n, int64_t room) {
     if (room < 8) return load_le(p, n);
@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
     const __m256 vo = _mm256_set1_ps(offset), vs = _mm256_set1_ps(s);
 #ifdef __AVX512F__
     const __m512 vo16 = _mm512_set1_ps(offset), vs16 = _mm512_set1_ps(s);
-    for (; i + 16 <= n; i += 16, codes += 2 * bits, room -= 2 * bits) { /* sixteen at a time where vectors are that wide */
+    for (; i + 16 <= n; i += 16, codes += 2 * bits, room -= 2 * bits) { /* sixteen at a time, where vectors hold them */
         uint64_t lo = load_codes(codes, bits, room), hi = load_codes(codes + bits, bits, room - bits);
         if (bits != 8) lo = _pdep_u64(lo, spread), hi = _pdep_u64(hi, spread);
         __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)hi, (long long)lo)));
@@ -267,13 +267,14 @@ void kvfold_encode_rows(const float *x, int64_t n_rows, int64_t x_stride, const 
 /* x [n_rows, x_stride] float32 -> row r's bytes at cache + slots[r] * row_bytes + at (slot -1: padding, skipped):
  * a side (keys at 0, values after the keys' bytes) of vLLM's paged rows written in place, without the rows
  * first written aside and scattered by torch (three ops and a copy per layer and step). */
-void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments, int32_t n_segments,
-                         const float *log8, int32_t fit_steps, uint8_t *cache, int64_t row_bytes, int64_t at,
-                         const int64_t *slots) {
+void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments,
+                         int32_t n_segments, const float *log8, int32_t fit_steps, uint8_t *cache, int64_t row_bytes,
+                         int64_t at, const int64_t *slots) {
 #pragma omp parallel for schedule(static) if (n_rows >= 256)
     for (int64_t r = 0; r < n_rows; r++)
         if (slots[r] >= 0)
-            encode_segments(x + r * x_stride, segments, n_segments, log8, fit_steps, cache + slots[r] * row_bytes + at);
+            encode_segments(x + r * x_stride, segments, n_segments, log8, fit_steps,
+                            cache + slots[r] * row_bytes + at);
 }
 
 /* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */
@@ -289,8 +290,8 @@ void kvfold_decode_rows(const uint8_t *rows, int64_t n_rows, int64_t row_stride,
 #pragma omp parallel for schedule(static) if (n_rows >= 512)
     for (int64_t run = 0; run < runs; run++) {
         int64_t r0 = run * 16, n = n_rows - r0 < 16 ? n_rows - r0 : 16;
-        decode_segments(rows + r0 * row_stride, row_stride, span[1], n, segments, 0, n_segments, log8, out + r0 * out_width,
-                        out_width);
+        decode_segments(rows + r0 * row_stride, row_stride, span[1], n, segments, 0, n_segments, log8,
+                        out + r0 * out_width, out_width);
     }
 }
 
@@ -719,9 +720,9 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
                     continue;
                 }
-                attend(blocks, &rq, b0, b1, block_size, row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g], k_segments, k_first[g],
-                       k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling, kbuf, vbuf, padded,
-                       qpad, scores, accpad, acc, top, total);
+                attend(blocks, &rq, b0, b1, block_size, row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g],
+                       k_segments, k_first[g], k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling,
+                       kbuf, vbuf, padded, qpad, scores, accpad, acc, top, total);
             }
         }
         free(kbuf);

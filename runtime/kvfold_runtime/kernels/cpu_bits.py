@@ -202,12 +202,16 @@ def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
     return layer
 
 
+def _floats(x: torch.Tensor) -> torch.Tensor:
+    """x [N, ...] -> float32 [N, width], unit stride along the width (any row stride)."""
+    flat = x.reshape(x.shape[0], -1).float()
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
 def _encode(x: torch.Tensor, segments: torch.Tensor, rows: torch.Tensor) -> None:
     """x [..., Σ widths] -> encode_heads' bytes into rows [N, its row bytes] (uint8, unit stride, any row stride:
     e.g. one half of a wider row)."""
-    flat = x.reshape(-1, x.shape[-1]).float()
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = _floats(x.reshape(-1, x.shape[-1]))
     assert rows.shape[0] == flat.shape[0] and rows.stride(-1) == 1 and rows.dtype == torch.uint8
     library().kvfold_encode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), segments.data_ptr(),
                                  segments.shape[0], log8_scales("cpu").data_ptr(), FIT_STEPS, rows.data_ptr(),
@@ -222,12 +226,6 @@ def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> to
     _encode(k, lay.k_rows, rows[:, :lay.key_bytes])
     _encode(v, lay.v_rows, rows[:, lay.key_bytes:])
     return rows
-
-
-def _floats(x: torch.Tensor) -> torch.Tensor:
-    """x [N, ...] -> float32 [N, width], unit stride along the width (any row stride)."""
-    flat = x.reshape(x.shape[0], -1).float()
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def write_layer_slots_c(rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
