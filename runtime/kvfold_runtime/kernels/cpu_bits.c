@@ -277,14 +277,6 @@ void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const
                             cache + slots[r] * row_bytes + at);
 }
 
-/* The rows src [n_rows, src_stride bytes], n_bytes each -> cache + slots[r] * row_bytes + at (slot -1: padding,
- * skipped): a rank layer's numbers, already in the cache's dtype, copied into vLLM's paged rows in place. */
-void kvfold_copy_slots(const uint8_t *src, int64_t n_rows, int64_t src_stride, int64_t n_bytes, uint8_t *cache,
-                       int64_t row_bytes, int64_t at, const int64_t *slots) {
-    for (int64_t r = 0; r < n_rows; r++)
-        if (slots[r] >= 0) memcpy(cache + slots[r] * row_bytes + at, src + r * src_stride, (size_t)n_bytes);
-}
-
 /* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */
 int kvfold_vector_loops(void) { return KVFOLD_SIMD; }
 

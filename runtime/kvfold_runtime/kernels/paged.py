@@ -39,7 +39,6 @@ from kvfold_runtime.kernels.cpu_bits import (
     encode_layer_rows_c,
     library,
     write_layer_slots_c,
-    write_number_slots_c,
 )
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
@@ -122,17 +121,13 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     n = slots.shape[0]
     k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
-    codec = codec or NumberRows(k.shape[-1])
-    if k.device.type == "cpu" and slots.device.type == "cpu" and rows.is_contiguous() and library() is not None:
-        # straight into the slots, padding skipped in C: three torch ops and a row made aside cost more per layer
-        # and decode step than vLLM's whole write of the original's row
-        if isinstance(codec, BandRows):
-            return write_layer_slots_c(rows, slots, k, v, codec.dims)
-        if isinstance(codec, NumberRows) and codec.fp8 is None:
-            return write_number_slots_c(rows, slots, k, v)
+    if isinstance(codec, BandRows) and k.device.type == "cpu" and slots.device.type == "cpu" and library() is not None:
+        write_layer_slots_c(rows, slots, k, v, codec.dims)  # encoded straight into the slots, padding skipped in C
+        return
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
+    codec = codec or NumberRows(k.shape[-1])
     rows[slots] = codec.encode(k, v, rows.dtype)
 
 
