@@ -256,25 +256,18 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
     }
 }
 
-/* x [n_rows, x_stride] float32 -> rows at out + r * out_stride (row_bytes of them written per row). */
-void kvfold_encode_rows(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments,
-                        int32_t n_segments, const float *log8, int32_t fit_steps, uint8_t *out, int64_t out_stride) {
-#pragma omp parallel for schedule(static) if (n_rows >= 256)
-    for (int64_t r = 0; r < n_rows; r++) encode_segments(x + r * x_stride, segments, n_segments, log8, fit_steps,
-                                                         out + r * out_stride);
-}
-
-/* x [n_rows, x_stride] float32 -> row r's bytes at cache + slots[r] * row_bytes + at (slot -1: padding, skipped):
- * a side (keys at 0, values after the keys' bytes) of vLLM's paged rows written in place, without the rows
- * first written aside and scattered by torch (three ops and a copy per layer and step). */
+/* x [n_rows, x_stride] float32 -> row r's bytes at cache + slots[r] * row_bytes + at, or with slots NULL at
+ * cache + r * row_bytes + at (row_bytes: the rows' stride). A slot -1 is padding, skipped. With slots, a side (keys
+ * at 0, values after the keys' bytes) of vLLM's paged rows is written in place, without the rows first written
+ * aside and scattered by torch (three ops and a copy per layer and step). */
 void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const int32_t *segments,
                          int32_t n_segments, const float *log8, int32_t fit_steps, uint8_t *cache, int64_t row_bytes,
                          int64_t at, const int64_t *slots) {
 #pragma omp parallel for schedule(static) if (n_rows >= 256)
     for (int64_t r = 0; r < n_rows; r++)
-        if (slots[r] >= 0)
+        if (!slots || slots[r] >= 0)
             encode_segments(x + r * x_stride, segments, n_segments, log8, fit_steps,
-                            cache + slots[r] * row_bytes + at);
+                            cache + (slots ? slots[r] : r) * row_bytes + at);
 }
 
 /* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */

@@ -93,10 +93,6 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
                                             ctypes.c_int32, ctypes.c_int32]
     lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float]
     lib.kvfold_vector_loops.restype = ctypes.c_int
-    lib.kvfold_encode_rows.restype = None
-    lib.kvfold_encode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
-                                       ctypes.c_int64]
     lib.kvfold_encode_slots.restype = None
     lib.kvfold_encode_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
@@ -202,6 +198,11 @@ def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
     return layer
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for ctypes; None (C's NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
 def _floats(x: torch.Tensor) -> torch.Tensor:
     """x [N, ...] -> float32 [N, width], unit stride along the width (any row stride)."""
     flat = x.reshape(x.shape[0], -1).float()
@@ -213,9 +214,9 @@ def _encode(x: torch.Tensor, segments: torch.Tensor, rows: torch.Tensor) -> None
     e.g. one half of a wider row)."""
     flat = _floats(x.reshape(-1, x.shape[-1]))
     assert rows.shape[0] == flat.shape[0] and rows.stride(-1) == 1 and rows.dtype == torch.uint8
-    library().kvfold_encode_rows(flat.data_ptr(), flat.shape[0], flat.stride(0), segments.data_ptr(),
-                                 segments.shape[0], log8_scales("cpu").data_ptr(), FIT_STEPS, rows.data_ptr(),
-                                 rows.stride(0))
+    library().kvfold_encode_slots(flat.data_ptr(), flat.shape[0], flat.stride(0), segments.data_ptr(),
+                                  segments.shape[0], log8_scales("cpu").data_ptr(), FIT_STEPS, rows.data_ptr(),
+                                  rows.stride(0), 0, None)
 
 
 def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> torch.Tensor:
@@ -291,16 +292,17 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     if out is None:
         out = q.new_empty(n, lay.out_width)
     assert out.dtype == torch.float32 and out.shape == (n, lay.out_width) and out.is_contiguous()
+    # which rows: a plan's blocks and mask, or vLLM's table and lengths (the other pair NULL for C)
     if seq_lens is None:
         ids, valid = block_ids.long().contiguous(), valid.contiguous().view(torch.uint8)
-        table, stride, lens, b = None, 0, None, block_ids.shape[1]
-        ids, valid = ids.data_ptr(), valid.data_ptr()
+        table = lens = None
     else:
         table, lens = block_ids.to(torch.int32), seq_lens.to(torch.int32).contiguous()
         assert valid is None and table.stride(-1) == 1 and lens.shape[0] == n
-        stride, ids, b = table.stride(0), None, table.shape[1]  # C reads as many of its columns as seq_lens need
-    failed = lib.kvfold_decode_attention(blocks.data_ptr(), ids, None if table is None else table.data_ptr(), stride,
-                                         None if lens is None else lens.data_ptr(), b, blocks.shape[1], valid,
+        ids = None
+    stride = 0 if table is None else table.stride(0)
+    failed = lib.kvfold_decode_attention(blocks.data_ptr(), _ptr(ids), _ptr(table), stride, _ptr(lens),
+                                         block_ids.shape[1], blocks.shape[1], _ptr(valid),
                                          row_bytes, q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
                                          lay.d_k.data_ptr(), lay.d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
                                          v_seg.data_ptr(), v_first.data_ptr(), lay.log8.data_ptr(), scaling)

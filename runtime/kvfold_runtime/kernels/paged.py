@@ -22,7 +22,8 @@ Requests are described as vLLM does: query_start_loc [R + 1] (their query tokens
 sequence), block_table [R, max_blocks]. Decode requests (one query token) are read together, all heads in two
 batched products (torch_decode.packed_decode); prefills and chunked prefills (several query tokens against a
 cached prefix) go one by one, per KV head (sdpa_attention). What a step's batch reads (StepPlan) is worked out
-once per step, not per layer: on a CPU the Python over the batch cost more than the attention.
+once per step and KV cache group, not per layer: on a CPU the Python over the batch cost more than the attention.
+A step of decodes only with no window needs none where C reads the cache (decode_step_c).
 """
 
 from __future__ import annotations
