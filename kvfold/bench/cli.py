@@ -197,7 +197,7 @@ def serve(
     bytes per token, their ratios to the original's, a probe against kv_cache_dtype=auto (2 prompts read
     teacher-forced, then 16 greedy tokens: a built-in dtype whose cache is not read back as written, or whose
     engine fails, is `"runs": false` with why, and no throughput), then tokens/s of a cache-limited workload
-    (peak running requests too) and decode tokens/s of one long request; JSON.
+    (peak running requests and preemptions too) and decode tokens/s of one long request; JSON.
 
     The defaults make the cache the limit of the original: 64 × (512 + 512) = 65,536 tokens against the
     11,648 that SmolLM2-135M's float32 cache holds in 512 MiB (the JSON's `limits_original` says so for any

@@ -148,7 +148,7 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
     limited, long = shape.which in ("all", "limited"), shape.which in ("all", "long")
     requests, prompt_tokens, new_tokens = shape.requests, shape.prompt_tokens, shape.new_tokens
     long_prompt_tokens, long_new_tokens = shape.long_prompt_tokens, shape.long_new_tokens
-    peaks = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+    peaks = {"running": 0, "waiting": 0, "kv_usage": 0.0, "preemptions": 0}
 
     class Peaks(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0) -> None:
@@ -159,6 +159,8 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
                 peaks["running"] = max(peaks["running"], scheduler_stats.num_running_reqs)
                 peaks["waiting"] = max(peaks["waiting"], scheduler_stats.num_waiting_reqs)
                 peaks["kv_usage"] = max(peaks["kv_usage"], scheduler_stats.kv_cache_usage)
+            if iteration_stats is not None:  # running requests sent back to wait for blocks (recomputed later)
+                peaks["preemptions"] += iteration_stats.num_preempted_reqs
 
         def log_engine_initialized(self) -> None:
             pass
@@ -205,7 +207,7 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
         if not reads_back(out["probe"]):
             return {**out, "runs": False}
     if limited:
-        peaks.update(running=0, waiting=0, kv_usage=0.0)
+        peaks.update(running=0, waiting=0, kv_usage=0.0, preemptions=0)
         prompts = [ids[i * prompt_tokens:(i + 1) * prompt_tokens] for i in range(requests)]
         run = _drive(engine, prompts, greedy(new_tokens))
         generated = sum(map(len, run["tokens"]))
@@ -214,7 +216,7 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
             "generated_tokens_per_s": round(generated / run["seconds"], 2),
             "total_tokens_per_s": round((generated + requests * prompt_tokens) / run["seconds"], 2),
             "peak_running_requests": peaks["running"], "peak_waiting_requests": peaks["waiting"],
-            "peak_kv_cache_usage": round(peaks["kv_usage"], 4)}
+            "peak_kv_cache_usage": round(peaks["kv_usage"], 4), "preemptions": peaks["preemptions"]}
     if long:
         run = _drive(engine, [ids[:long_prompt_tokens]], greedy(long_new_tokens))
         decoded = len(run["tokens"][0]) - 1

@@ -17,8 +17,9 @@ def _fmt(value, spec: str = ",") -> str:
 
 def serve_table(report: dict) -> Table:
     """One row per configuration: whether it runs, vLLM's capacity, bytes per token, the ratio to the
-    original's capacity, and, where measured, peak running requests, the tokens/s of each workload and the
-    probe's figures (columns no configuration has are left out: --workload none shows capacity only)."""
+    original's capacity, and, where measured, peak running requests and preemptions, the tokens/s of each
+    workload and the probe's figures (columns no configuration has are left out: --workload none shows capacity
+    only)."""
     def row(c: dict) -> dict:
         limited, long, probe = c.get("cache_limited") or {}, c.get("long_context") or {}, c.get("probe") or {}
         ppl = probe.get("ppl_ratio")
@@ -26,6 +27,7 @@ def serve_table(report: dict) -> Table:
                 "B/token": _fmt(c.get("bytes_per_token"), ",.0f"),
                 "× orig.": _fmt((c.get("vs_original") or {}).get("kv_token_capacity"), ".3f"),
                 "peak run": _fmt(limited.get("peak_running_requests")),
+                "preempted": _fmt(limited.get("preemptions")),
                 "gen tok/s": _fmt(limited.get("generated_tokens_per_s"), ",.1f"),
                 "decode tok/s": _fmt(long.get("decode_tokens_per_s"), ",.1f"),
                 "probe top-1": _fmt(probe.get("top1_agreement"), ".3f"),

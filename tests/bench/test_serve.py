@@ -217,7 +217,7 @@ def head80(tmp_path):
 
 @pytest.mark.vllm
 def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
-    """1 MiB: 6 blocks of 128 tokens of the original, fewer than the 8 × (64 + 64) of the cache-limited workload.
+    """1 MiB: 6 blocks of 128 tokens of the original, fewer than the 8 × (64 + 128) of the cache-limited workload.
     fp8 refuses head_dim 80 on CPU (runs: false with the engine's own reason); a bfloat16 cache under a float32
     model starts, and the probe finds it read back as float32, or vLLM's worker crashes reading it (runs: false
     either way, measured); the JSON and PNG written. Each engine runs in one process (ENGINE_IN_PROCESS)."""
@@ -228,7 +228,8 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     result = run("serve", "--export", export, "--against", original_dir, "--kv-cache-mib", "1",
                  "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "bfloat16", "--requests", "8",
-                 "--prompt-tokens", "64", "--new-tokens", "64", "--long-prompt-tokens", "400", "--long-new-tokens", "8",
+                 "--prompt-tokens", "64", "--new-tokens", "128", "--long-prompt-tokens", "400",
+                 "--long-new-tokens", "8",
                  "--eager", "--json", out, "--png", png)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -239,12 +240,16 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     assert original["kv_token_capacity"] == (1 << 20) // (128 * 1280) * 128 == 768
     assert report["workloads"]["cache_limited"]["limits_original"]
     for c in (original, exported):
-        assert c["runs"] and c["cache_limited"]["generated_tokens"] == 8 * 64
+        assert c["runs"] and c["cache_limited"]["generated_tokens"] == 8 * 128
         assert c["long_context"]["decode_tokens"] == 7 and c["long_context"]["decode_tokens_per_s"] > 0
         keys = c["long_context"]["passkeys"]  # a random tiny model retrieves none; the count is what is checked
         assert keys["prompts"] == 10 and 0 <= keys["retrieved"] <= 10 and 256 < keys["context"] <= 400
         assert c["bytes_per_token"] == round((1 << 20) / c["kv_token_capacity"], 1)
     assert 1 < original["cache_limited"]["peak_running_requests"] < 8
+    # 8 × 192 tokens against the original's 6 blocks of 128: the requests it admits (a block each) grow into a
+    # second block, and vLLM preempts some of them
+    assert original["cache_limited"]["preemptions"] > 0
+    assert original["cache_limited"]["preemptions"] >= exported["cache_limited"]["preemptions"] >= 0
     assert exported["kv_token_capacity"] > original["kv_token_capacity"] and exported["capacity_target_met"]
     assert exported["format"] == "rank" and 0 <= exported["probe"]["top1_agreement"] <= 1
     assert not configs["fp8"]["runs"] and "cache_limited" not in configs["fp8"]
