@@ -189,6 +189,11 @@ def serve(
                                                       "(--kv-cache-mib is then each rank's budget).")] = 1,
     pipeline_parallel_size: Annotated[int, typer.Option(help="vLLM's pipeline-parallel size for every "
                                                         "configuration.")] = 1,
+    rounds: Annotated[int, typer.Option(help="Run every configuration this many times, one after another in "
+                                        "turn, and report each speed ratio to the original per round and its "
+                                        "median (rounds after the first: tokens/s only, no probe or pass keys). "
+                                        "Engines drift from one to the next; one round does not separate "
+                                        "0.95× from 0.9×.")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
     png: Annotated[Path | None, typer.Option(help="Draw KV capacity and tokens/s per configuration here.")] = None,
 ) -> None:
@@ -210,7 +215,7 @@ def serve(
     with user_errors():
         check_paths(json_out, png)
         _at_least_1(("--kv-cache-mib", kv_cache_mib), ("--tensor-parallel-size", tensor_parallel_size),
-                    ("--pipeline-parallel-size", pipeline_parallel_size))
+                    ("--pipeline-parallel-size", pipeline_parallel_size), ("--rounds", rounds))
         shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
         if png is not None:
             from kvfold.bench.frontier.plot import pyplot
@@ -218,7 +223,7 @@ def serve(
             pyplot()
         dtypes = list(DEFAULT_KV_DTYPES) if kv_cache_dtype is None else [d for d in kv_cache_dtype if d != "none"]
         report = bench_serve(export or [cache_root() / "demo" / "SmolLM2-135M-kvfold"], against, kv_cache_mib,
-                             dtypes, shape, dtype, eager, tensor_parallel_size, pipeline_parallel_size)
+                             dtypes, shape, dtype, eager, tensor_parallel_size, pipeline_parallel_size, rounds)
         write_outputs(report, json_out, png, draw)
     err.print(serve_table(report))
     print(json.dumps(report, indent=2))
@@ -270,14 +275,15 @@ def compile(  # the command's name
 def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, kv_cache_dtype: str = "auto",
                 requests: int = 64, prompt_tokens: int = 512, new_tokens: int = 512, long_prompt_tokens: int = 4096,
                 long_new_tokens: int = 128, workload: str = "all", dtype: str = "float32", eager: bool = False,
-                reference: Path | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+                reference: Path | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                timing_only: bool = False) -> None:
     from kvfold.bench.serve_point import Workload, one_engine
 
     with user_errors():
         shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
         probe = None if reference is None else json.loads(reference.read_text())
         result = one_engine(model, tokenizer_dir, kv_cache_bytes, kv_cache_dtype, shape, dtype, eager, probe,
-                            tensor_parallel, pipeline_parallel)
+                            tensor_parallel, pipeline_parallel, timing_only)
     atomic_write_text(out, json.dumps(result))
 
 

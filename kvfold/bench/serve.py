@@ -9,6 +9,8 @@ capacity; budget ÷ capacity = bytes per token, at most one block's rounding abo
 peak number of requests it ran at once, and the tokens/s of a cache-limited workload and of batch-1
 decode at a long context. A built-in dtype whose probe (serve_point.reads_back) shows its cache is not read
 back as written, or whose engine fails, is reported with `"runs": false` and why, without throughput.
+With `rounds` > 1 every configuration that runs is run again in fresh engines, round by round (tokens/s only),
+and each speed's ratio to the original's is reported per round and as their median (`round_figures`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -37,8 +40,8 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
 
-__all__ = ["DEFAULT_KV_DTYPES", "KV_DTYPES", "bench_serve", "capacity_figures", "layout_capacities",
-           "tensor_parallel_figures"]
+__all__ = ["DEFAULT_KV_DTYPES", "KV_DTYPES", "SPEEDS", "bench_serve", "capacity_figures", "layout_capacities",
+           "round_figures", "tensor_parallel_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]]
         out = Path(tmp) / "point.json"
         cmd = ["serve-point", model, str(tokenizer_dir), str(out)]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if not isinstance(v, bool)]
-        cmd += ["--eager"] if args["eager"] else []
+        cmd += [f"--{k.replace('_', '-')}" for k, v in args.items() if v is True]  # eager, timing_only
         if reference is not None:
             (Path(tmp) / "reference.json").write_text(json.dumps(reference))
             cmd += [f"--reference={Path(tmp) / 'reference.json'}"]
@@ -197,9 +200,35 @@ def _check_passkeys_fit(tokenizer_dir: Path, context: int) -> None:
                           "workload serves the pass-key prompts at that length too); give at least 512") from None
 
 
+# the speeds a round measures: (workload, its tokens/s)
+SPEEDS = (("cache_limited", "generated_tokens_per_s"), ("long_context", "decode_tokens_per_s"))
+
+
+def round_figures(per_round: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration, each round's tokens/s (per_round: name -> one run per round, the first round's full run
+    first; a failed run {}), their ratios to the same round's original's and the ratios' median: the verdict a
+    ratio near a target needs, where one engine's step time drifts from the next one's by more than the gap."""
+    original = per_round["original"]
+    out = {}
+    for name, runs in per_round.items():
+        figures: dict = {"vs_original": {}}
+        for workload, key in SPEEDS:
+            mine = [(r.get(workload) or {}).get(key) for r in runs]
+            if all(x is None for x in mine):
+                continue
+            theirs = [(r.get(workload) or {}).get(key) for r in original]
+            ratios = [round(a / b, 4) if a is not None and b else None for a, b in zip(mine, theirs, strict=True)]
+            figures[key] = mine
+            figures["vs_original"][key] = ratios
+            measured = [x for x in ratios if x is not None]
+            figures["vs_original"][f"{key}_median"] = round(statistics.median(measured), 4) if measured else None
+        out[name] = figures
+    return out
+
+
 def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_dtypes: list[str],
                 workload: Workload, dtype: str, eager: bool, tensor_parallel: int = 1,
-                pipeline_parallel: int = 1) -> dict:
+                pipeline_parallel: int = 1, rounds: int = 1) -> dict:
     for name in kv_dtypes:
         if name not in KV_DTYPES:
             raise KVFoldError(f"--kv-cache-dtype {name!r} is not one of vLLM 0.32's: {', '.join(KV_DTYPES)} (or none)")
@@ -239,6 +268,19 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
     for entry in configs.values():
         if "kv_blocks" in entry:
             entry |= capacity_figures(entry, original)
+    if rounds > 1 and workload.which != "none":
+        # the same engines again, in turn, tokens/s only: round r of every configuration before round r + 1 of any
+        original_path = str(source.path)
+        models = {**{n: (str(e), {}) for n, e in zip(_names(exports), exports, strict=True)},
+                  "original": (original_path, {}), **{d: (original_path, {"kv_cache_dtype": d}) for d in kv_dtypes}}
+        per_round = {name: [c] for name, c in configs.items() if c["runs"] and "error" not in c}
+        for r in range(2, rounds + 1):
+            for name in per_round:
+                model, extra = models[name]
+                run = one(f"{name}, round {r} of {rounds}", model, {**extra, "timing_only": True}, must_run=False)
+                per_round[name].append({} if "error" in run else run)
+        for name, figures in round_figures(per_round).items():
+            configs[name]["rounds"] = figures
     shapes = {"which": workload.which, "probe": {
         "prompts": PROBE_PROMPTS, "prompt_tokens": PROBE_PROMPT_TOKENS, "greedy_tokens": PROBE_TOKENS,
         "against": "kv_cache_dtype=auto", "runs_if": f"top1_agreement >= {PROBE_MIN_TOP1} and ppl_ratio <= "
@@ -254,6 +296,6 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
     if workload.which in ("all", "long"):
         shapes["long_context"] = {"prompt_tokens": workload.long_prompt_tokens, "new_tokens": workload.long_new_tokens}
     return {"benchmark": "serve", "engine": "vllm", "original": str(source.path), "dtype": dtype,
-            "kv_cache_mib": kv_cache_mib, "kv_cache_memory_bytes": budget, "eager": eager,
+            "kv_cache_mib": kv_cache_mib, "kv_cache_memory_bytes": budget, "eager": eager, "rounds": rounds,
             "tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel, "workloads": shapes,
             "configurations": configs}

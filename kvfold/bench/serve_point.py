@@ -136,10 +136,12 @@ def cpu_threads_bind(workers: int) -> str:
 
 def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dtype: str, shape: Workload,
                dtype: str, eager: bool, reference: dict | None = None, tensor_parallel: int = 1,
-               pipeline_parallel: int = 1) -> dict:
+               pipeline_parallel: int = 1, timing_only: bool = False) -> dict:
     """In this process: one engine, its KV capacity, the probe, then the workloads `shape` names; `reference`:
     the original's probe at kv_cache_dtype="auto" (its "probe_run"). With tensor or pipeline parallelism the
-    engine's workers are vLLM's multiprocessing executor's, and kv_cache_bytes is each worker's budget."""
+    engine's workers are vLLM's multiprocessing executor's, and kv_cache_bytes is each worker's budget.
+    `timing_only`: the workloads' tokens/s alone, no probe and no pass keys (a repeated round of
+    `kvfold-bench serve --rounds`, whose first round read them)."""
     if not (Path(model) / "config.json").is_file():
         raise KVFoldError(f"model folder '{model}' does not exist or has no config.json")
     from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -195,14 +197,15 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
     def greedy(n: int, **more):
         return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0, **more)
 
-    run = _drive(engine, probe, greedy(PROBE_TOKENS, prompt_logprobs=1))
-    out["probe_run"] = {"tokens": run["tokens"], "top1": [], "nll": []}
-    for o, prompt in zip(run["outputs"], probe, strict=True):  # position 0 has no prediction
-        steps = o.prompt_logprobs[1:]
-        out["probe_run"]["top1"].append([next(t for t, lp in s.items() if lp.rank == 1) for s in steps])
-        out["probe_run"]["nll"].append([-s[t].logprob for s, t in zip(steps, prompt[1:], strict=True)])
     out["runs"] = True
-    if reference is not None:
+    if not timing_only:
+        run = _drive(engine, probe, greedy(PROBE_TOKENS, prompt_logprobs=1))
+        out["probe_run"] = {"tokens": run["tokens"], "top1": [], "nll": []}
+        for o, prompt in zip(run["outputs"], probe, strict=True):  # position 0 has no prediction
+            steps = o.prompt_logprobs[1:]
+            out["probe_run"]["top1"].append([next(t for t, lp in s.items() if lp.rank == 1) for s in steps])
+            out["probe_run"]["nll"].append([-s[t].logprob for s, t in zip(steps, prompt[1:], strict=True)])
+    if reference is not None and not timing_only:
         out["probe"] = agreement(out["probe_run"], reference)
         if not reads_back(out["probe"]):
             return {**out, "runs": False}
@@ -223,8 +226,9 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
         out["long_context"] = {
             "prefill_s": round(run["first_token_s"], 2), "decode_s": round(run["after_first_s"], 2),
             "decode_tokens": decoded,
-            "decode_tokens_per_s": round(decoded / run["after_first_s"], 2) if run["after_first_s"] > 0 else None,
-            "passkeys": _passkeys(engine, Path(tokenizer_dir), long_prompt_tokens, greedy)}
+            "decode_tokens_per_s": round(decoded / run["after_first_s"], 2) if run["after_first_s"] > 0 else None}
+        if not timing_only:
+            out["long_context"]["passkeys"] = _passkeys(engine, Path(tokenizer_dir), long_prompt_tokens, greedy)
     return out
 
 

@@ -18,8 +18,13 @@ def _fmt(value, spec: str = ",") -> str:
 def serve_table(report: dict) -> Table:
     """One row per configuration: whether it runs, vLLM's capacity, bytes per token, the ratio to the
     original's capacity, and, where measured, peak running requests and preemptions, the tokens/s of each
-    workload and the probe's figures (columns no configuration has are left out: --workload none shows capacity
-    only)."""
+    workload and their ratios to the original's (with --rounds, the median of each round's), the probe's
+    figures (columns no configuration has are left out: --workload none shows capacity only)."""
+    def speed_ratio(c: dict, key: str):
+        """The ratio to the original's tokens/s: the median over the rounds where there were several."""
+        rounds = (c.get("rounds") or {}).get("vs_original") or {}
+        return rounds.get(f"{key}_median", (c.get("vs_original") or {}).get(key))
+
     def row(c: dict) -> dict:
         limited, long, probe = c.get("cache_limited") or {}, c.get("long_context") or {}, c.get("probe") or {}
         ppl = probe.get("ppl_ratio")
@@ -29,15 +34,21 @@ def serve_table(report: dict) -> Table:
                 "peak run": _fmt(limited.get("peak_running_requests")),
                 "preempted": _fmt(limited.get("preemptions")),
                 "gen tok/s": _fmt(limited.get("generated_tokens_per_s"), ",.1f"),
+                gen_ratio: _fmt(speed_ratio(c, "generated_tokens_per_s"), ".3f"),
                 "decode tok/s": _fmt(long.get("decode_tokens_per_s"), ",.1f"),
+                decode_ratio: _fmt(speed_ratio(c, "decode_tokens_per_s"), ".3f"),
                 "probe top-1": _fmt(probe.get("top1_agreement"), ".3f"),
                 "ppl ×": _fmt(ppl, ",.0f" if ppl is not None and ppl >= 100 else ".3f")}
 
+    several = report.get("rounds", 1) > 1
+    gen_ratio, decode_ratio = ("gen × (median)", "decode × (median)") if several else ("gen ×", "decode ×")
     rows = {name: row(c) for name, c in report["configurations"].items()}
     columns = [k for k in next(iter(rows.values())) if k in ("runs", "KV tokens", "× orig.")
                or any(r[k] != "-" for r in rows.values())]
+    rounds = f"; tokens/s of the first of {report['rounds']} rounds, × the original's: median of the rounds" \
+        if several else ""
     table = Table(title=f"vLLM, {report['kv_cache_mib']} MiB of KV cache each, {report['dtype']}; probe: "
-                  "teacher-forced top-1 agreement and perplexity ratio against kv_cache_dtype=auto")
+                  f"teacher-forced top-1 agreement and perplexity ratio against kv_cache_dtype=auto{rounds}")
     table.add_column("configuration", no_wrap=True)
     for name in columns:  # numbers whole even in a narrow console (a log, a pipe: 80 columns)
         widest = max(Text.from_markup(r[name]).cell_len for r in rows.values())

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvfold.bench.cli import app
-from kvfold.bench.serve import KV_DTYPES, capacity_figures, layout_capacities
+from kvfold.bench.serve import KV_DTYPES, capacity_figures, layout_capacities, round_figures
 from kvfold.bench.serve_point import agreement, reads_back
 from tests.runtime.conftest import write_export
 from tests.runtime.vllm_engine import ENGINE_IN_PROCESS
@@ -32,6 +32,7 @@ def run(*args):
     (["serve", "--export", "{tmp}", "--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8' is not one of vLLM"),
     (["serve", "--export", "{tmp}", "--dtype", "int8"], "--dtype must be one of"),
     (["serve", "--export", "{tmp}", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
+    (["serve", "--export", "{tmp}", "--rounds", "0"], "--rounds must be at least 1"),
     (["serve", "--export", "{tmp}", "--png", "{tmp}/missing/serve.png"], "does not exist"),
     (["serve-point", "{tmp}/missing", "{tmp}", "{tmp}/point.json"], "does not exist"),
     (["openai", "--export", "{tmp}"], "is not a kvfold export"),
@@ -112,6 +113,25 @@ def test_capacity_bytes_per_token_and_ratios():
     assert capacity_figures(original, original)["vs_original"] == {
         "kv_token_capacity": 1.0, "peak_running_requests": 1.0, "generated_tokens_per_s": 1.0,
         "decode_tokens_per_s": 1.0}
+
+
+def test_rounds_give_each_rounds_ratio_to_the_same_rounds_original_and_their_median():
+    def speeds(gen, decode):
+        return {"cache_limited": {"generated_tokens_per_s": gen}, "long_context": {"decode_tokens_per_s": decode}}
+
+    per_round = {"original": [speeds(40.0, 10.0), speeds(20.0, 8.0), speeds(40.0, 12.0)],
+                 "export:bits": [speeds(60.0, 9.0), {}, speeds(50.0, 12.0)],  # round 2's engine failed
+                 "fp8": [{"cache_limited": {"generated_tokens_per_s": 44.0}}] * 3}  # no long-context run
+    got = round_figures(per_round)
+    assert got["original"]["vs_original"] == {"generated_tokens_per_s": [1.0] * 3, "generated_tokens_per_s_median": 1.0,
+                                              "decode_tokens_per_s": [1.0] * 3, "decode_tokens_per_s_median": 1.0}
+    bits = got["export:bits"]
+    assert bits["decode_tokens_per_s"] == [9.0, None, 12.0]
+    assert bits["vs_original"]["decode_tokens_per_s"] == [0.9, None, 1.0]
+    assert bits["vs_original"]["decode_tokens_per_s_median"] == 0.95  # of the rounds measured
+    assert bits["vs_original"]["generated_tokens_per_s_median"] == 1.375  # 1.5 and 1.25
+    assert got["fp8"]["vs_original"] == {"generated_tokens_per_s": [1.1, 2.2, 1.1],
+                                         "generated_tokens_per_s_median": 1.1}
 
 
 def test_layout_capacities_follow_vllms_page_formula():
@@ -229,7 +249,7 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     result = run("serve", "--export", export, "--against", original_dir, "--kv-cache-mib", "1",
                  "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "bfloat16", "--requests", "8",
                  "--prompt-tokens", "64", "--new-tokens", "128", "--long-prompt-tokens", "400",
-                 "--long-new-tokens", "8",
+                 "--long-new-tokens", "8", "--rounds", "2",
                  "--eager", "--json", out, "--png", png)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -264,3 +284,14 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     else:
         assert not reads_back(half["probe"]) and half["probe"]["top1_agreement"] < 0.5
         assert "CPU attention declares only auto" in half["reason"]
+    # --rounds 2: the configurations that run, again in turn (tokens/s only), each round's ratio and the median
+    assert report["rounds"] == 2 and "rounds" not in configs["fp8"] and "rounds" not in half
+    for c in (original, exported):
+        rounds = c["rounds"]
+        assert len(rounds["decode_tokens_per_s"]) == len(rounds["generated_tokens_per_s"]) == 2
+        assert rounds["decode_tokens_per_s"][0] == c["long_context"]["decode_tokens_per_s"]
+        assert all(x > 0 for x in rounds["decode_tokens_per_s"] + rounds["generated_tokens_per_s"])
+    assert original["rounds"]["vs_original"]["decode_tokens_per_s"] == [1.0, 1.0]
+    ratios = exported["rounds"]["vs_original"]["decode_tokens_per_s"]
+    assert ratios[0] == exported["vs_original"]["decode_tokens_per_s"]
+    assert exported["rounds"]["vs_original"]["decode_tokens_per_s_median"] == round(sum(ratios) / 2, 4)

@@ -271,3 +271,23 @@ def test_a_decode_step_reads_vllms_block_table_in_c_without_a_plan(fmt, reader, 
     got = paged(q, kv, table, lens, start, d_k, d_v, group, scaling=0.3, codec=codec, max_query_len=1, out=out)
     assert got is out and got.dtype == dtype and not got.isnan().any()
     assert torch.equal(got, planned)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rank_rows_written_in_c_equal_torchs_and_skip_padding(dtype, monkeypatch):
+    """A rank layer's rows written in place in C (where it builds) hold what torch's scatter writes: the numbers
+    converted to the cache's dtype, keys then values; padding slots and the other rows untouched."""
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(4, 9, generator=g), torch.randn(4, 13, generator=g)
+    slots = torch.tensor([6, -1, 0, 3])
+    codec = row_codec(LayerDims((5, 4), (6, 7), 2))
+    kv_c = torch.full((2, 1, 4, 22), 7.0, dtype=dtype)
+    write_paged(kv_c, slots, k, v.t().contiguous().t(), codec=codec)  # values column-major: any strides
+    monkeypatch.setattr(paged_module, "library", lambda: None)
+    kv_t = torch.full_like(kv_c, 7.0)
+    write_paged(kv_t, slots, k, v, codec=codec)
+    assert torch.equal(kv_c, kv_t)
+    assert torch.equal(kv_c.view(-1, 22)[6], torch.cat([k[0], v[0]]).to(dtype))
+    assert (kv_c.view(-1, 22)[[1, 2, 4, 5, 7]] == 7.0).all()

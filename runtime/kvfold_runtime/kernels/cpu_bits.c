@@ -270,6 +270,14 @@ void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const
                             cache + (slots ? slots[r] : r) * row_bytes + at);
 }
 
+/* The rows src [n_rows, src_stride bytes], n_bytes each -> cache + slots[r] * row_bytes + at (slot -1: padding,
+ * skipped): a rank layer's numbers, already in the cache's dtype, copied into vLLM's paged rows in place. */
+void kvfold_copy_slots(const uint8_t *src, int64_t n_rows, int64_t src_stride, int64_t n_bytes, uint8_t *cache,
+                       int64_t row_bytes, int64_t at, const int64_t *slots) {
+    for (int64_t r = 0; r < n_rows; r++)
+        if (slots[r] >= 0) memcpy(cache + slots[r] * row_bytes + at, src + r * src_stride, (size_t)n_bytes);
+}
+
 /* 1 where this build decodes with its vector loops, 0 where with the scalar ones (a test checks which). */
 int kvfold_vector_loops(void) { return KVFOLD_SIMD; }
 
@@ -722,8 +730,10 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
         free(scores);
         free(seen);
     }
-    if (!failed) { /* the parts of each (request, KV head) summed: out = Σ acc·e^(top - m) / Σ total·e^(top - m) */
-#pragma omp parallel for schedule(static)
+    /* the parts of each (request, KV head) summed: out = Σ acc·e^(top - m) / Σ total·e^(top - m); a few heads'
+     * sums (batch 1: SmolLM2's 3) cost less than waking the threads for a second parallel region */
+    if (!failed) {
+#pragma omp parallel for schedule(static) if (heads * parts >= 64)
         for (int64_t head = 0; head < heads; head++) {
             int64_t n = head / n_kv;
             int32_t g = (int32_t)(head % n_kv), o_at = 0;

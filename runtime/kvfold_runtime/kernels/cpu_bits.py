@@ -33,7 +33,7 @@ from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
 __all__ = ["NUMBER_DTYPES", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library",
-           "write_layer_slots_c"]
+           "write_layer_slots_c", "write_number_slots_c"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -97,6 +97,9 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.kvfold_encode_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.kvfold_copy_slots.restype = None
+    lib.kvfold_copy_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -241,6 +244,21 @@ def write_layer_slots_c(rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor
         assert x.shape[0] == slots.shape[0]
         lib.kvfold_encode_slots(x.data_ptr(), x.shape[0], x.stride(0), segments.data_ptr(), segments.shape[0],
                                 lay.log8.data_ptr(), FIT_STEPS, rows.data_ptr(), rows.shape[-1], at, slots.data_ptr())
+
+
+def write_number_slots_c(rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A rank layer's paged rows written in place: k [N, Σ d_k], v [N, Σ d_v] on the CPU, converted to the cache's
+    dtype -> rows[slots[i]] = k[i] ++ v[i] (rows [num_slots, Σ d_k + Σ d_v], contiguous; slots −1: padding,
+    skipped): no row made aside and scattered. library() must not be None."""
+    lib = library()
+    assert rows.is_contiguous() and rows.shape[-1] == k.shape[-1] + v.shape[-1]
+    slots, size = slots.to(torch.int64).contiguous(), rows.element_size()
+    for x, at in ((k, 0), (v, k.shape[-1] * size)):
+        x = x.to(rows.dtype)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        assert x.shape[0] == slots.shape[0]
+        lib.kvfold_copy_slots(x.data_ptr(), x.shape[0], x.stride(0) * size, x.shape[-1] * size, rows.data_ptr(),
+                              rows.shape[-1] * size, at, slots.data_ptr())
 
 
 def decode_rows_c(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...]) -> torch.Tensor:
