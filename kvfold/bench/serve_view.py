@@ -41,12 +41,11 @@ def serve_table(report: dict) -> Table:
                 "ppl ×": _fmt(ppl, ",.0f" if ppl is not None and ppl >= 100 else ".3f")}
 
     several = report.get("rounds", 1) > 1
-    gen_ratio, decode_ratio = ("gen × (median)", "decode × (median)") if several else ("gen ×", "decode ×")
+    gen_ratio, decode_ratio = "gen ×", "decode ×"  # with --rounds, the medians (the title says so)
     rows = {name: row(c) for name, c in report["configurations"].items()}
     columns = [k for k in next(iter(rows.values())) if k in ("runs", "KV tokens", "× orig.")
                or any(r[k] != "-" for r in rows.values())]
-    rounds = f"; tokens/s of the first of {report['rounds']} rounds, × the original's: median of the rounds" \
-        if several else ""
+    rounds = f"; tok/s: the first of {report['rounds']} rounds, ×: the median of the rounds' ratios" if several else ""
     table = Table(title=f"vLLM, {report['kv_cache_mib']} MiB of KV cache each, {report['dtype']}; probe: "
                   f"teacher-forced top-1 agreement and perplexity ratio against kv_cache_dtype=auto{rounds}")
     table.add_column("configuration", no_wrap=True)
