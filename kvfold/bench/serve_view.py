@@ -15,16 +15,17 @@ def _fmt(value, spec: str = ",") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _speed_ratio(c: dict, key: str):
+    """A configuration's tokens/s over the original's: the median over the rounds where there were several."""
+    rounds = (c.get("rounds") or {}).get("vs_original") or {}
+    return rounds.get(f"{key}_median", (c.get("vs_original") or {}).get(key))
+
+
 def serve_table(report: dict) -> Table:
     """One row per configuration: whether it runs, vLLM's capacity, bytes per token, the ratio to the
     original's capacity, and, where measured, peak running requests and preemptions, the tokens/s of each
     workload and their ratios to the original's (with --rounds, the median of each round's), the probe's
     figures (columns no configuration has are left out: --workload none shows capacity only)."""
-    def speed_ratio(c: dict, key: str):
-        """The ratio to the original's tokens/s: the median over the rounds where there were several."""
-        rounds = (c.get("rounds") or {}).get("vs_original") or {}
-        return rounds.get(f"{key}_median", (c.get("vs_original") or {}).get(key))
-
     def row(c: dict) -> dict:
         limited, long, probe = c.get("cache_limited") or {}, c.get("long_context") or {}, c.get("probe") or {}
         ppl = probe.get("ppl_ratio")
@@ -34,9 +35,9 @@ def serve_table(report: dict) -> Table:
                 "peak run": _fmt(limited.get("peak_running_requests")),
                 "preempted": _fmt(limited.get("preemptions")),
                 "gen tok/s": _fmt(limited.get("generated_tokens_per_s"), ",.1f"),
-                gen_ratio: _fmt(speed_ratio(c, "generated_tokens_per_s"), ".3f"),
+                gen_ratio: _fmt(_speed_ratio(c, "generated_tokens_per_s"), ".3f"),
                 "decode tok/s": _fmt(long.get("decode_tokens_per_s"), ",.1f"),
-                decode_ratio: _fmt(speed_ratio(c, "decode_tokens_per_s"), ".3f"),
+                decode_ratio: _fmt(_speed_ratio(c, "decode_tokens_per_s"), ".3f"),
                 "probe top-1": _fmt(probe.get("top1_agreement"), ".3f"),
                 "ppl ×": _fmt(ppl, ",.0f" if ppl is not None and ppl >= 100 else ".3f")}
 
@@ -84,6 +85,10 @@ def draw(report: dict, path: Path) -> None:
         ys = [(configs[n].get(workload) or {}).get(key) for n in names]
         if any(y is not None for y in ys):
             speed.bar([x + shift for x in xs], [y or 0 for y in ys], width, label=label)
+            for x, name, y in zip(xs, names, ys, strict=True):  # × the original's (the rounds' median)
+                ratio = _speed_ratio(configs[name], key)
+                if y is not None and ratio is not None:
+                    speed.annotate(f"{ratio:.2f}×", (x + shift, y), ha="center", va="bottom", fontsize=8)
     for x, name in zip(xs, names, strict=True):
         if not configs[name]["runs"]:
             speed.annotate("does not run", (x, 0), xytext=(0, 4), textcoords="offset points", ha="center",
@@ -92,7 +97,10 @@ def draw(report: dict, path: Path) -> None:
     shapes = [f"{s.get('requests', 1)} × ({s['prompt_tokens']} + {s['new_tokens']})"
               for s in (w.get("cache_limited"), w.get("long_context")) if s is not None]
     cap.set_title(f"KV token capacity in {report['kv_cache_mib']} MiB (vLLM's blocks × block size)")
-    speed.set_title(f"tokens/s: {'; '.join(shapes)}" if shapes else "tokens/s: no workload run (--workload none)")
+    several = report.get("rounds", 1) > 1
+    rounds = f" (first of {report['rounds']} rounds; × the original: the rounds' median)" if several else ""
+    none = "tokens/s: no workload run (--workload none)"
+    speed.set_title(f"tokens/s: {'; '.join(shapes)}{rounds}" if shapes else none)
     for ax in (cap, speed):
         ax.set_xticks(list(xs), names, fontsize=8, rotation=30, ha="right")
         ax.grid(axis="y", alpha=0.3)
