@@ -52,6 +52,8 @@ KV_DTYPES = ("float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "f
 DEFAULT_KV_DTYPES = ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
                      "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# the speeds compared with the original's, once per round: (workload, its tokens/s)
+SPEEDS = (("cache_limited", "generated_tokens_per_s"), ("long_context", "decode_tokens_per_s"))
 
 
 def _why(output: str) -> str:
@@ -114,13 +116,10 @@ def capacity_figures(run: dict, original: dict) -> dict:
     out = {"kv_token_capacity": capacity,
            "bytes_per_token": round(run["kv_cache_memory_bytes"] / capacity, 1) if capacity else None}
     ratios = {"kv_token_capacity": round(capacity / original["kv_token_capacity"], 4)}
-    pairs = [("peak_running_requests", "cache_limited", "peak_running_requests"),
-             ("generated_tokens_per_s", "cache_limited", "generated_tokens_per_s"),
-             ("decode_tokens_per_s", "long_context", "decode_tokens_per_s")]
-    for name, workload, key in pairs:
+    for workload, key in (("cache_limited", "peak_running_requests"), *SPEEDS):
         mine, theirs = run.get(workload, {}).get(key), original.get(workload, {}).get(key)
         if mine is not None and theirs:
-            ratios[name] = round(mine / theirs, 4)
+            ratios[key] = round(mine / theirs, 4)
     return {**out, "vs_original": ratios}
 
 
@@ -200,10 +199,6 @@ def _check_passkeys_fit(tokenizer_dir: Path, context: int) -> None:
                           "workload serves the pass-key prompts at that length too); give at least 512") from None
 
 
-# the speeds a round measures: (workload, its tokens/s)
-SPEEDS = (("cache_limited", "generated_tokens_per_s"), ("long_context", "decode_tokens_per_s"))
-
-
 def round_figures(per_round: dict[str, list[dict]]) -> dict[str, dict]:
     """Per configuration, each round's tokens/s (per_round: name -> one run per round, the first round's full run
     first; a failed run {}), their ratios to the same round's original's and the ratios' median: the verdict a
@@ -252,9 +247,13 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
             raise KVFoldError(f"vLLM run of {model} failed: {run['error']}")
         return run
 
+    # every configuration's model and extra arguments, for its first round and any later one
+    export_names, original_path = _names(exports), str(source.path)
+    models = {**{n: (str(e), {}) for n, e in zip(export_names, exports, strict=True)},
+              "original": (original_path, {}), **{d: (original_path, {"kv_cache_dtype": d}) for d in kv_dtypes}}
     # the exports first: an export vLLM refuses ends the run before the long runs of the others
-    exported = {name: one(name, str(e)) for name, e in zip(_names(exports), exports, strict=True)}
-    original = one("original", str(source.path))
+    exported = {name: one(name, *models[name]) for name in export_names}
+    original = one("original", *models["original"])
     reference = original.pop("probe_run")
     original |= {"kind": "original", "format_bytes_per_token": _original_bytes_per_token(source.path, dtype)}
     configs = {"original": original}
@@ -262,7 +261,7 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
         run["probe"] = agreement(run.pop("probe_run"), reference)
         configs[name] = _export_entry(run, manifest, original, budget, dtype)
     for kv_dtype in kv_dtypes:
-        run = one(f"kv_cache_dtype={kv_dtype}", str(source.path), {"kv_cache_dtype": kv_dtype}, reference, False)
+        run = one(f"kv_cache_dtype={kv_dtype}", *models[kv_dtype], reference, False)
         run.pop("probe_run", None)
         configs[kv_dtype] = _dtype_entry(kv_dtype, run)
     for entry in configs.values():
@@ -270,9 +269,6 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
             entry |= capacity_figures(entry, original)
     if rounds > 1 and workload.which != "none":
         # the same engines again, in turn, tokens/s only: round r of every configuration before round r + 1 of any
-        original_path = str(source.path)
-        models = {**{n: (str(e), {}) for n, e in zip(_names(exports), exports, strict=True)},
-                  "original": (original_path, {}), **{d: (original_path, {"kv_cache_dtype": d}) for d in kv_dtypes}}
         per_round = {name: [c] for name, c in configs.items() if c["runs"] and "error" not in c}
         for r in range(2, rounds + 1):
             for name in per_round:

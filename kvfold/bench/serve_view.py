@@ -35,14 +35,13 @@ def serve_table(report: dict) -> Table:
                 "peak run": _fmt(limited.get("peak_running_requests")),
                 "preempted": _fmt(limited.get("preemptions")),
                 "gen tok/s": _fmt(limited.get("generated_tokens_per_s"), ",.1f"),
-                gen_ratio: _fmt(_speed_ratio(c, "generated_tokens_per_s"), ".3f"),
+                "gen ×": _fmt(_speed_ratio(c, "generated_tokens_per_s"), ".3f"),
                 "decode tok/s": _fmt(long.get("decode_tokens_per_s"), ",.1f"),
-                decode_ratio: _fmt(_speed_ratio(c, "decode_tokens_per_s"), ".3f"),
+                "decode ×": _fmt(_speed_ratio(c, "decode_tokens_per_s"), ".3f"),  # with --rounds, the median
                 "probe top-1": _fmt(probe.get("top1_agreement"), ".3f"),
                 "ppl ×": _fmt(ppl, ",.0f" if ppl is not None and ppl >= 100 else ".3f")}
 
     several = report.get("rounds", 1) > 1
-    gen_ratio, decode_ratio = "gen ×", "decode ×"  # with --rounds, the medians (the title says so)
     rows = {name: row(c) for name, c in report["configurations"].items()}
     columns = [k for k in next(iter(rows.values())) if k in ("runs", "KV tokens", "× orig.")
                or any(r[k] != "-" for r in rows.values())]
