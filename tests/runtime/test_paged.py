@@ -273,6 +273,45 @@ def test_a_decode_step_reads_vllms_block_table_in_c_without_a_plan(fmt, reader, 
     assert torch.equal(got, planned)
 
 
+@pytest.mark.parametrize("fmt", ["bits", "rank float32"])
+@pytest.mark.parametrize("reader", ["c", "c-scalar"])
+def test_a_decode_layer_in_one_c_call_writes_and_attends_as_the_separate_calls(fmt, reader, monkeypatch):
+    """The vLLM backend's decode step of a layer in one C call (decode_layer_c) leaves the cache byte for byte as
+    write_paged does and gives decode_step_c's output bit for bit: requests of one to many blocks, keys and values
+    with a row stride wider than their numbers (vLLM's fused q|k|v columns). Tensors not as it takes them are
+    left to the general path (False, nothing written); caches it does not read get no decode layer."""
+    monkeypatch.setenv("KVFOLD_CPU_DECODER", reader)
+    if cpu_bits.library() is None:
+        pytest.skip("no C compiler on this machine")
+    d_k, d_v, group, bs = [5, 12, 7], [3, 8, 17], 3, 16
+    seq_lens = [1, 16, 17, 45, 130]
+    dims = _banded(d_k, d_v, group) if fmt == "bits" else LayerDims(tuple(d_k), tuple(d_v), group)
+    codec, g = row_codec(dims), torch.Generator().manual_seed(4)
+    kv, table, lens, _, q, _, _ = _case(d_k, d_v, group, seq_lens, [1] * 5, block_size=bs, dtype=torch.float32)
+    if fmt == "bits":  # the same tokens' rows as band codes
+        kv = torch.zeros(*kv.shape[:-1], sum(dims.row_bytes()), dtype=torch.uint8)
+        for r, s in enumerate(seq_lens):
+            pos = torch.arange(s)
+            write_paged(kv, table[r, pos // bs].long() * bs + pos % bs, torch.randn(s, sum(d_k), generator=g),
+                        torch.randn(s, sum(d_v), generator=g), codec=codec)
+    lens = lens.to(torch.int32)
+    last = lens.long() - 1
+    slots = table[torch.arange(len(seq_lens)), last // bs].long() * bs + last % bs
+    fused = torch.randn(len(seq_lens), sum(d_k) + sum(d_v) + 3, generator=g)
+    k, v = fused[:, :sum(d_k)], fused[:, sum(d_k):-3]
+    kv_two, out_two = kv.clone(), torch.empty(len(seq_lens), group * sum(d_v))
+    write_paged(kv_two, slots, k, v, codec=codec)
+    paged_module.decode_step_c(q, kv_two, table, lens, codec, scaling=0.3, out=out_two)
+    step = paged_module.decode_layer_c(dims, kv, None)
+    out = torch.full_like(out_two, float("nan"))
+    assert not step(q.double(), k, v, slots, kv, table, lens, out, 0.3) and out.isnan().all()  # not float32
+    assert step(q, k, v, slots, kv, table, lens, out, 0.3)
+    assert torch.equal(kv.view(torch.uint8), kv_two.view(torch.uint8)) and torch.equal(out, out_two)  # NaN rows: bytes
+    if fmt != "bits":  # numbers in another dtype, or fp8 codes: the general path
+        assert paged_module.decode_layer_c(dims, kv.half(), None) is None
+        assert paged_module.decode_layer_c(dims, torch.zeros(kv.shape, dtype=torch.uint8), torch.float8_e4m3fn) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rank_rows_written_in_c_equal_torchs_and_skip_padding(dtype, monkeypatch):
     """A rank layer's rows written in place in C (where it builds) hold what torch's scatter writes: the numbers

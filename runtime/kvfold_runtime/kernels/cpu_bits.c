@@ -761,3 +761,35 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
     free(partial);
     return failed ? -1 : 0;
 }
+
+/* One layer's decode step in one call: this step's keys k [n_req, k_stride] and values v [n_req, v_stride] (float32)
+ * written into their slots (slot −1: padding, skipped) — a bits layer's encoded into band codes, a rank layer's
+ * float32 numbers copied —, then kvfold_decode_attention of q over vLLM's block table and lengths into out. What
+ * does not change from step to step is `layer`, int64s that cpu_bits.DecodeLayer packs once per layer:
+ *   0 banded  1 row_bytes  2 block_size  3 key_bytes  4 n_kv  5 group  6 d_k*  7 d_v*  8 k_rows*  9 n_k_rows
+ *   10 v_rows*  11 n_v_rows  12 k_segments*  13 k_first*  14 v_segments*  15 v_first*  16 log8*  17 fit_steps
+ * (*: addresses). At batch 1 a layer's Python, three ctypes calls and their ~50 arguments cost more than its
+ * attention over a short context; this is one call of fourteen. Returns kvfold_decode_attention's. */
+int kvfold_decode_layer(const int64_t *layer, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                        const int64_t *slots, uint8_t *cache, const int32_t *table, int64_t table_stride,
+                        const int32_t *seq_lens, int64_t n_blocks, const float *q, float *out, int64_t n_req,
+                        float scaling) {
+    const int64_t row_bytes = layer[1], block_size = layer[2], key_bytes = layer[3];
+    const int32_t n_kv = (int32_t)layer[4], group = (int32_t)layer[5];
+    const int32_t *d_k = (const int32_t *)layer[6], *d_v = (const int32_t *)layer[7];
+    const float *log8 = (const float *)layer[16];
+    if (layer[0]) {
+        kvfold_encode_slots(k, n_req, k_stride, (const int32_t *)layer[8], (int32_t)layer[9], log8, (int32_t)layer[17],
+                            cache, row_bytes, 0, slots);
+        kvfold_encode_slots(v, n_req, v_stride, (const int32_t *)layer[10], (int32_t)layer[11], log8,
+                            (int32_t)layer[17], cache, row_bytes, key_bytes, slots);
+    } else {
+        kvfold_copy_slots((const uint8_t *)k, n_req, k_stride * 4, key_bytes, cache, row_bytes, 0, slots);
+        kvfold_copy_slots((const uint8_t *)v, n_req, v_stride * 4, row_bytes - key_bytes, cache, row_bytes, key_bytes,
+                          slots);
+    }
+    return kvfold_decode_attention(cache, NULL, table, table_stride, seq_lens, n_blocks, block_size, NULL, row_bytes,
+                                   q, out, n_req, n_kv, group, d_k, d_v, (const int32_t *)layer[12],
+                                   (const int32_t *)layer[13], (const int32_t *)layer[14], (const int32_t *)layer[15],
+                                   log8, scaling);
+}

@@ -32,8 +32,8 @@ from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
-__all__ = ["NUMBER_DTYPES", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c", "encode_rows_c", "library",
-           "write_layer_slots_c", "write_number_slots_c"]
+__all__ = ["NUMBER_DTYPES", "DecodeLayer", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c",
+           "encode_rows_c", "library", "write_layer_slots_c", "write_number_slots_c"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_bits.c")
@@ -100,6 +100,9 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.kvfold_copy_slots.restype = None
     lib.kvfold_copy_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.kvfold_decode_layer.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kvfold_decode_layer.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, i64, p, p, i64, ctypes.c_float]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -327,3 +330,49 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     if failed:
         raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
     return out
+
+
+class DecodeLayer:
+    """One layer's decode step as one C call (kvfold_decode_layer): the step's keys and values written into their
+    slots (write_layer_slots_c's codes, or write_number_slots_c's float32 numbers), then decode_attention_c over
+    vLLM's block table and lengths. Made once per layer, for its cache's row dtype (uint8 codes of a bits layer, or
+    a rank layer's float32 numbers) and block size: everything that does not change from step to step is packed
+    here once, so a step's Python is a few addresses and one call (at batch 1 the separate write and attention calls
+    cost ~80–120 µs a layer in Python and ctypes, more than the attention over a short context). library() must not
+    be None."""
+
+    def __init__(self, dims: LayerDims, cache_dtype: torch.dtype, block_size: int) -> None:
+        assert (cache_dtype == torch.uint8) if dims.banded else (cache_dtype == torch.float32)
+        assert dims.group <= 64
+        lay = _layer(dims, cache_dtype)
+        (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
+        self._kept = lay  # the tensors whose addresses `_args` holds
+        self._args = torch.tensor(
+            [int(dims.banded), lay.key_bytes + lay.value_bytes, block_size, lay.key_bytes, len(dims.d_k), dims.group,
+             lay.d_k.data_ptr(), lay.d_v.data_ptr(), lay.k_rows.data_ptr(), lay.k_rows.shape[0],
+             lay.v_rows.data_ptr(), lay.v_rows.shape[0], k_seg.data_ptr(), k_first.data_ptr(), v_seg.data_ptr(),
+             v_first.data_ptr(), lay.log8.data_ptr(), FIT_STEPS], dtype=torch.int64)
+        self._row_bytes, self._block_size, self._call = lay.key_bytes + lay.value_bytes, block_size, \
+            library().kvfold_decode_layer
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
+                 table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scaling: float) -> bool:
+        """q [N, Σ_h d_k(g(h))] (any shape of those numbers, contiguous), k [N, …, Σ d_k] and v [N, …, Σ d_v] (unit
+        stride along a row, any row stride), slots [N] int64, cache the layer's [num_blocks, …, block_size, C]
+        (contiguous), table [N, ≥ blocks] int32 (unit stride along a row), seq_lens [N] int32 (the new tokens
+        counted), out [N, …] float32 contiguous -> True once written and attended; False (nothing done) where the
+        tensors are not as described, for the caller's general path."""
+        n = seq_lens.shape[0]
+        if not (q.dtype is k.dtype is v.dtype is out.dtype is torch.float32 and q.is_contiguous()
+                and out.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype is torch.int64
+                and slots.shape[0] == n == q.shape[0] == k.shape[0] == v.shape[0] and table.dtype is torch.int32
+                and table.stride(-1) == 1 and seq_lens.dtype is torch.int32 and seq_lens.is_contiguous()
+                and slots.is_contiguous() and cache.is_contiguous()
+                and cache.shape[-1] * cache.element_size() == self._row_bytes and cache.shape[-2] == self._block_size
+                and q.device.type == "cpu"):
+            return False
+        if self._call(self._args.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+                      cache.data_ptr(), table.data_ptr(), table.stride(0), seq_lens.data_ptr(), table.shape[1],
+                      q.data_ptr(), out.data_ptr(), n, scaling):
+            raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
+        return True

@@ -23,7 +23,8 @@ sequence), block_table [R, max_blocks]. Decode requests (one query token) are re
 batched products (torch_decode.packed_decode); prefills and chunked prefills (several query tokens against a
 cached prefix) go one by one, per KV head (sdpa_attention). What a step's batch reads (StepPlan) is worked out
 once per step and KV cache group, not per layer: on a CPU the Python over the batch cost more than the attention.
-A step of decodes only with no window needs none where C reads the cache (decode_step_c).
+A step of decodes only with no window needs none where C reads the cache (decode_step_c), and with the step's
+rows to write as well it is one C call a layer (decode_layer_c).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.cpu_bits import (
     NUMBER_DTYPES,
+    DecodeLayer,
     decode_attention_c,
     encode_layer_rows_c,
     library,
@@ -46,8 +48,8 @@ from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
-__all__ = ["BandRows", "NumberRows", "RowCodec", "StepPlan", "decode_step_c", "paged_attention", "plan_step",
-           "row_codec", "write_paged"]
+__all__ = ["BandRows", "NumberRows", "RowCodec", "StepPlan", "decode_layer_c", "decode_step_c", "paged_attention",
+           "plan_step", "row_codec", "write_paged"]
 
 
 class RowCodec(Protocol):
@@ -212,6 +214,18 @@ def decode_step_c(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tens
     if not direct:
         out[:n] = got.to(out.dtype)
     return out
+
+
+def decode_layer_c(dims: LayerDims, kv: torch.Tensor, fp8: torch.dtype | None) -> DecodeLayer | None:
+    """The layer's decode step as one C call (cpu_bits.DecodeLayer: write_paged, then decode_step_c), for its
+    cache kv [num_blocks, …, block_size, C]; None where C does not run it: no library, a cache off the CPU or not
+    contiguous, fp8 codes, a rank layer's numbers in a dtype other than float32, a group over 64."""
+    codec = row_codec(dims, fp8)
+    blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
+    query = blocks.new_empty(0, dtype=torch.float32)  # what _reads_in_c asks of the query: a CPU float32 one
+    if not _reads_in_c(codec, query, blocks) or (not dims.banded and blocks.dtype != torch.float32):
+        return None
+    return DecodeLayer(dims, blocks.dtype, blocks.shape[1])
 
 
 def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

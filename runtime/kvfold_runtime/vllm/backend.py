@@ -18,7 +18,8 @@ model's original scaling, sliding windows), which decodes only the blocks it rea
 (its StepPlan) is made by the step's first layer and kept in the step's metadata for the others. A step of
 decodes only, no sliding window, on a CPU reads vLLM's block table and lengths in C as they are (no plan: vLLM
 keeps one metadata per KV cache group, and a bits export's per-layer page sizes make many groups), and a bits
-layer's rows are encoded straight into their slots.
+layer's rows are encoded straight into their slots; there a float32 layer's write and attention are one C call
+(kernels.paged.decode_layer_c: separate calls' Python and ctypes cost ~50–90 µs more a layer at batch 1).
 
 The per-head widths and bands reach the implementation through the layer (`kvfold_dims=` extra argument of
 vLLM's Attention). A rank layer's cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
@@ -45,6 +46,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import row_codec, write_paged
 from kvfold_runtime.kernels.dispatch import paged
+from kvfold_runtime.kernels.paged import decode_layer_c
 from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["BACKEND_NAME", "KVFoldAttentionBackend"]
@@ -103,6 +105,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         self.fp8 = FP8_FORMATS.get(kv_cache_dtype)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        self._decode_layer = None  # kernels.paged.decode_layer_c's, made at the first decode step (False: none)
 
     def _codec(self, layer):
         """How this layer's rows are stored: its band codes (bits format), or its numbers in the model's dtype or
@@ -120,9 +123,16 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
             raise NotImplementedError("kvfold: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        meta, codec = attn_metadata, self._codec(layer)
-        n = meta.num_actual_tokens
-        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+        meta, n = attn_metadata, attn_metadata.num_actual_tokens
+        writes = self.kv_sharing_target_layer_name is None and key is not None and value is not None
+        if writes and meta.max_query_len == 1 and self.sliding_window is None:  # decodes: one C call if it runs
+            if self._decode_layer is None:
+                self._decode_layer = decode_layer_c(self.dims, kv_cache, self.fp8) or False
+            if self._decode_layer and self._decode_layer(query[:n], key[:n], value[:n], meta.slot_mapping, kv_cache,
+                                                         meta.block_table, meta.seq_lens, output[:n], self.scale):
+                return output
+        codec = self._codec(layer)
+        if writes:
             write_paged(kv_cache, meta.slot_mapping, key[:n], value[:n], codec=codec)
         q = query[:n].reshape(n, -1)
         out = output[:n].view(n, -1)
