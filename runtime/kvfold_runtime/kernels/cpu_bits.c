@@ -1,7 +1,7 @@
 /* Band codes on a CPU: kvfold_runtime.bands.decode_heads' values, band by band, every bit width a loop of its
  * own with the width a constant (vector loops where the CPU has AVX2 + BMI2); encode_heads' bytes; and decode
- * attention read from a paged cache's codes (kernels/cpu_bits.py builds this once per machine and calls it
- * through ctypes).
+ * attention read from a paged cache's codes; and a vLLM decode step's write and attention of one layer in one call
+ * (kvfold_decode_layer). kernels/cpu_bits.py builds this once per machine and calls it through ctypes.
  *
  * A row holds, per head, its bands' codes (byte-aligned per band, little-endian bit stream, first dim in the
  * lowest bits) and then one scale per quantized band (kvfold_runtime/bands.py). The caller describes the row
@@ -769,7 +769,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
  *   0 banded  1 row_bytes  2 block_size  3 key_bytes  4 n_kv  5 group  6 d_k*  7 d_v*  8 k_rows*  9 n_k_rows
  *   10 v_rows*  11 n_v_rows  12 k_segments*  13 k_first*  14 v_segments*  15 v_first*  16 log8*  17 fit_steps
  * (*: addresses). At batch 1 a layer's Python, three ctypes calls and their ~50 arguments cost more than its
- * attention over a short context; this is one call of fourteen. Returns kvfold_decode_attention's. */
+ * attention over a short context; this is one call of fifteen. Returns kvfold_decode_attention's. */
 int kvfold_decode_layer(const int64_t *layer, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                         const int64_t *slots, uint8_t *cache, const int32_t *table, int64_t table_stride,
                         const int32_t *seq_lens, int64_t n_blocks, const float *q, float *out, int64_t n_req,
