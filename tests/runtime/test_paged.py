@@ -303,8 +303,9 @@ def test_a_decode_layer_in_one_c_call_writes_and_attends_as_the_separate_calls(f
     write_paged(kv_two, slots, k, v, codec=codec)
     paged_module.decode_step_c(q, kv_two, table, lens, codec, scaling=0.3, out=out_two)
     step = paged_module.decode_layer_c(dims, kv, None)
-    out = torch.full_like(out_two, float("nan"))
+    out, before = torch.full_like(out_two, float("nan")), kv.clone()
     assert not step(q.double(), k, v, slots, kv, table, lens, out, 0.3) and out.isnan().all()  # not float32
+    assert torch.equal(kv.view(torch.uint8), before.view(torch.uint8))  # nothing written either
     assert step(q, k, v, slots, kv, table, lens, out, 0.3)
     assert torch.equal(kv.view(torch.uint8), kv_two.view(torch.uint8)) and torch.equal(out, out_two)  # NaN rows: bytes
     if fmt != "bits":  # numbers in another dtype, or fp8 codes: the general path
