@@ -194,6 +194,10 @@ def serve(
                                         "median (rounds after the first: tokens/s only, no probe or pass keys). "
                                         "Engines drift from one to the next; one round does not separate "
                                         "0.95× from 0.9×.")] = 1,
+    paired_steps: Annotated[int, typer.Option(help="Then time batch-1 decode at the long context with every "
+                                              "configuration that runs in one process, the engines taking turns "
+                                              "(counted steps each; 0: not run): a decode ratio the drift between "
+                                              "engines does not blur.")] = 128,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the JSON here.")] = None,
     png: Annotated[Path | None, typer.Option(help="Draw KV capacity and tokens/s per configuration here.")] = None,
 ) -> None:
@@ -202,7 +206,9 @@ def serve(
     bytes per token, their ratios to the original's, a probe against kv_cache_dtype=auto (2 prompts read
     teacher-forced, then 16 greedy tokens: a built-in dtype whose cache is not read back as written, or whose
     engine fails, is `"runs": false` with why, and no throughput), then tokens/s of a cache-limited workload
-    (peak running requests and preemptions too) and decode tokens/s of one long request; JSON.
+    (peak running requests and preemptions too) and decode tokens/s of one long request; then every configuration
+    that runs decodes that long request again, all in one process taking turns (--paired-steps): the decode ratio
+    to the original that engines started one after another cannot give on a busy machine; JSON.
 
     The defaults make the cache the limit of the original: 64 × (512 + 512) = 65,536 tokens against the
     11,648 that SmolLM2-135M's float32 cache holds in 512 MiB (the JSON's `limits_original` says so for any
@@ -216,6 +222,8 @@ def serve(
         check_paths(json_out, png)
         _at_least_1(("--kv-cache-mib", kv_cache_mib), ("--tensor-parallel-size", tensor_parallel_size),
                     ("--pipeline-parallel-size", pipeline_parallel_size), ("--rounds", rounds))
+        if paired_steps < 0:
+            raise KVFoldError(f"--paired-steps must be 0 (not run) or more, got {paired_steps}")
         shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
         if png is not None:
             from kvfold.bench.frontier.plot import pyplot
@@ -223,7 +231,8 @@ def serve(
             pyplot()
         dtypes = list(DEFAULT_KV_DTYPES) if kv_cache_dtype is None else [d for d in kv_cache_dtype if d != "none"]
         report = bench_serve(export or [cache_root() / "demo" / "SmolLM2-135M-kvfold"], against, kv_cache_mib,
-                             dtypes, shape, dtype, eager, tensor_parallel_size, pipeline_parallel_size, rounds)
+                             dtypes, shape, dtype, eager, tensor_parallel_size, pipeline_parallel_size, rounds,
+                             paired_steps)
         write_outputs(report, json_out, png, draw)
     err.print(serve_table(report))
     print(json.dumps(report, indent=2))
@@ -284,6 +293,15 @@ def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int =
         probe = None if reference is None else json.loads(reference.read_text())
         result = one_engine(model, tokenizer_dir, kv_cache_bytes, kv_cache_dtype, shape, dtype, eager, probe,
                             tensor_parallel, pipeline_parallel, timing_only)
+    atomic_write_text(out, json.dumps(result))
+
+
+@app.command("serve-paired", hidden=True)
+def serve_paired(spec: Path, out: Path) -> None:
+    from kvfold.bench.serve_paired import paired_decode
+
+    with user_errors():
+        result = paired_decode(**json.loads(spec.read_text()))
     atomic_write_text(out, json.dumps(result))
 
 

@@ -11,6 +11,9 @@ decode at a long context. A built-in dtype whose probe (serve_point.reads_back) 
 back as written, or whose engine fails, is reported with `"runs": false` and why, without throughput.
 With `rounds` > 1 every configuration that runs is run again in fresh engines, round by round (tokens/s only),
 and each speed's ratio to the original's is reported per round and as their median (`round_figures`).
+With `paired_steps` > 0 (and the long-context workload), every configuration that runs then decodes batch 1 at the
+long context in one process, the engines taking turns (kvfold/bench/serve_paired.py): the decode ratio that the
+drift between engines started one after another does not blur.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from kvfold.bench.engine_host import run_module
 from kvfold.bench.engine_log import root_cause
+from kvfold.bench.serve_paired import BLOCK, WARMUP
 from kvfold.bench.serve_point import (
     PROBE_MAX_PPL,
     PROBE_MIN_TOP1,
@@ -221,9 +225,46 @@ def round_figures(per_round: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
+def _run_paired(models: dict[str, tuple[str, str]], tokenizer_dir: Path, kv_cache_bytes: int, dtype: str,
+                eager: bool, context: int, steps: int) -> dict:
+    """serve_paired.paired_decode in a process of its own, every engine inside it; {"error": why} when it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "paired.json"
+        spec.write_text(json.dumps({"models": models, "tokenizer_dir": str(tokenizer_dir), "dtype": dtype,
+                                    "kv_cache_bytes": kv_cache_bytes, "eager": eager, "context": context,
+                                    "steps": steps}))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        done = run_module("kvfold.bench", ["serve-paired", str(spec), str(out)], env=env)
+        if done.returncode != 0 or not out.exists():
+            return {"error": _why(done.stdout + done.stderr)}
+        return json.loads(out.read_text())
+
+
+def _paired(configs: dict, models: dict, tokenizer_dir: Path, budget: int, dtype: str, eager: bool, context: int,
+            steps: int, workers: int) -> dict:
+    """The paired decode of every configuration that runs, each one's figures into its entry as "paired_decode";
+    the workload's description back (with why, where it did not run)."""
+    shape = {"context": context, "counted_steps_per_configuration": steps, "block": BLOCK, "warmup": WARMUP,
+             "how": "every configuration's engine in one process, one request each, taking turns of a block of decode "
+                    "steps (the first of each block not counted, the order rotating); ms_per_step: the median "
+                    "counted step; vs_original: the original's median step / this one's"}
+    if workers > 1:
+        return shape | {"runs": False, "reason": "tensor or pipeline parallelism: the engines' workers would be "
+                                                 "processes of their own, not taking turns in one"}
+    names = [name for name, c in configs.items() if c["runs"] and "error" not in c]
+    log.info("serve: paired decode of %s, one process", ", ".join(names))
+    wanted = {name: (models[name][0], models[name][1].get("kv_cache_dtype", "auto")) for name in names}
+    figures = _run_paired(wanted, tokenizer_dir, budget, dtype, eager, context, steps)
+    if "error" in figures:
+        return shape | {"runs": False, "reason": f"the paired run failed: {figures['error']}"}
+    for name in names:
+        configs[name]["paired_decode"] = figures[name]
+    return shape | {"runs": True}
+
+
 def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_dtypes: list[str],
                 workload: Workload, dtype: str, eager: bool, tensor_parallel: int = 1,
-                pipeline_parallel: int = 1, rounds: int = 1) -> dict:
+                pipeline_parallel: int = 1, rounds: int = 1, paired_steps: int = 0) -> dict:
     for name in kv_dtypes:
         if name not in KV_DTYPES:
             raise KVFoldError(f"--kv-cache-dtype {name!r} is not one of vLLM 0.32's: {', '.join(KV_DTYPES)} (or none)")
@@ -291,6 +332,10 @@ def bench_serve(exports: list[Path], against: str | None, kv_cache_mib: int, kv_
                         "--kv-cache-mib for a cache-limited one", tokens)
     if workload.which in ("all", "long"):
         shapes["long_context"] = {"prompt_tokens": workload.long_prompt_tokens, "new_tokens": workload.long_new_tokens}
+        if paired_steps > 0:
+            shapes["paired_decode"] = _paired(configs, models, source.path, budget, dtype, eager,
+                                              workload.long_prompt_tokens, paired_steps,
+                                              tensor_parallel * pipeline_parallel)
     return {"benchmark": "serve", "engine": "vllm", "original": str(source.path), "dtype": dtype,
             "kv_cache_mib": kv_cache_mib, "kv_cache_memory_bytes": budget, "eager": eager, "rounds": rounds,
             "tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel, "workloads": shapes,

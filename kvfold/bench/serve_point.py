@@ -30,7 +30,7 @@ from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
 __all__ = ["PROBE_MAX_PPL", "PROBE_MIN_TOP1", "PROBE_PROMPTS", "PROBE_PROMPT_TOKENS", "PROBE_TOKENS", "WORKLOADS",
-           "Workload", "agreement", "one_engine", "reads_back"]
+           "Workload", "agreement", "one_engine", "reads_back", "wiki_eval_ids"]
 
 PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_TOKENS = 2, 256, 16
 # Far from both sides of what was measured (SmolLM2-135M, float32, top-1 agreement / perplexity ratio): fp8
@@ -97,7 +97,7 @@ def _cpu_cache_dtypes() -> list[str] | None:
     return list(CPUAttentionBackend.supported_kv_cache_dtypes)
 
 
-def _texts(tokenizer_dir: Path, need: int) -> list[int]:
+def wiki_eval_ids(tokenizer_dir: Path, need: int) -> list[int]:
     ids = load_tokenizer(tokenizer_dir)("\n\n".join(resolve_text("wiki:eval"))).input_ids
     if len(ids) < need:
         raise KVFoldError(f"wiki:eval has {len(ids)} tokens, fewer than the {need} the workloads ask for; "
@@ -171,7 +171,8 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
     probe_len = min(PROBE_PROMPT_TOKENS, (positions or PROBE_PROMPT_TOKENS + PROBE_TOKENS) - PROBE_TOKENS)
     workload_tokens = requests * prompt_tokens * limited
-    ids = _texts(Path(tokenizer_dir), max(workload_tokens, long_prompt_tokens * long) + PROBE_PROMPTS * probe_len)
+    need = max(workload_tokens, long_prompt_tokens * long) + PROBE_PROMPTS * probe_len
+    ids = wiki_eval_ids(Path(tokenizer_dir), need)
     probe = [ids[len(ids) - (i + 1) * probe_len:][:probe_len] for i in range(PROBE_PROMPTS)]  # the text's end
     max_len = max(probe_len + PROBE_TOKENS, (prompt_tokens + new_tokens) * limited,
                   (long_prompt_tokens + max(long_new_tokens, 16)) * long)  # 16: room for a pass key's answer

@@ -24,8 +24,9 @@ def _speed_ratio(c: dict, key: str):
 def serve_table(report: dict) -> Table:
     """One row per configuration: whether it runs, vLLM's capacity, bytes per token, the ratio to the
     original's capacity, and, where measured, peak running requests and preemptions, the tokens/s of each
-    workload and their ratios to the original's (with --rounds, the median of each round's), the probe's
-    figures (columns no configuration has are left out: --workload none shows capacity only)."""
+    workload and their ratios to the original's (with --rounds, the median of each round's), the paired
+    decode's ratio (the engines taking turns in one process), the probe's figures (columns no configuration has
+    are left out: --workload none shows capacity only)."""
     def row(c: dict) -> dict:
         limited, long, probe = c.get("cache_limited") or {}, c.get("long_context") or {}, c.get("probe") or {}
         ppl = probe.get("ppl_ratio")
@@ -38,6 +39,7 @@ def serve_table(report: dict) -> Table:
                 "gen ×": _fmt(_speed_ratio(c, "generated_tokens_per_s"), ".3f"),
                 "decode tok/s": _fmt(long.get("decode_tokens_per_s"), ",.1f"),
                 "decode ×": _fmt(_speed_ratio(c, "decode_tokens_per_s"), ".3f"),  # with --rounds, the median
+                "paired ×": _fmt((c.get("paired_decode") or {}).get("vs_original"), ".3f"),
                 "probe top-1": _fmt(probe.get("top1_agreement"), ".3f"),
                 "ppl ×": _fmt(ppl, ",.0f" if ppl is not None and ppl >= 100 else ".3f")}
 
@@ -60,7 +62,8 @@ def serve_table(report: dict) -> Table:
 def draw(report: dict, path: Path) -> None:
     """Top: KV token capacity per configuration (× the original's on each bar; a configuration that does
     not run on this build hatched, its capacity only what vLLM allocated). Bottom: generated tokens/s of the
-    cache-limited workload and decode tokens/s of the long-context one."""
+    cache-limited workload, decode tokens/s of the long-context one, and that decode paired (the engines taking
+    turns in one process), where measured."""
     from kvfold.bench.frontier.plot import pyplot
 
     plt = pyplot()
@@ -77,17 +80,22 @@ def draw(report: dict, path: Path) -> None:
         label = "" if ratio is None else f"{ratio:.2f}×"
         cap.annotate(label if c["runs"] else f"{label}\ndoes not run", (x, capacity), ha="center", va="bottom",
                      fontsize=8)
-    width = 0.4
-    series = [("cache_limited", "generated_tokens_per_s", "generated tok/s, cache-limited workload", -width / 2),
-              ("long_context", "decode_tokens_per_s", "decode tok/s, batch 1 at long context", width / 2)]
-    for workload, key, label, shift in series:
+    series = [("cache_limited", "generated_tokens_per_s", "generated tok/s, cache-limited workload"),
+              ("long_context", "decode_tokens_per_s", "decode tok/s, batch 1 at long context"),
+              ("paired_decode", "decode_tokens_per_s", "decode tok/s, batch 1 at long context, the engines taking "
+                                                       "turns in one process")]
+    series = [s for s in series if any((configs[n].get(s[0]) or {}).get(s[1]) is not None for n in names)]
+    width = 0.8 / max(1, len(series))
+    for i, (workload, key, label) in enumerate(series):
+        shift = (i - (len(series) - 1) / 2) * width
         ys = [(configs[n].get(workload) or {}).get(key) for n in names]
-        if any(y is not None for y in ys):
-            speed.bar([x + shift for x in xs], [y or 0 for y in ys], width, label=label)
-            for x, name, y in zip(xs, names, ys, strict=True):  # × the original's (the rounds' median)
-                ratio = _speed_ratio(configs[name], key)
-                if y is not None and ratio is not None:
-                    speed.annotate(f"{ratio:.2f}×", (x + shift, y), ha="center", va="bottom", fontsize=8)
+        speed.bar([x + shift for x in xs], [y or 0 for y in ys], width, label=label)
+        for x, name, y in zip(xs, names, ys, strict=True):  # × the original's (the rounds' median; paired: its own)
+            c = configs[name]
+            paired = (c.get("paired_decode") or {}).get("vs_original")
+            ratio = paired if workload == "paired_decode" else _speed_ratio(c, key)
+            if y is not None and ratio is not None:
+                speed.annotate(f"{ratio:.2f}×", (x + shift, y), ha="center", va="bottom", fontsize=8)
     for x, name in zip(xs, names, strict=True):
         if not configs[name]["runs"]:
             speed.annotate("does not run", (x, 0), xytext=(0, 4), textcoords="offset points", ha="center",

@@ -33,6 +33,7 @@ def run(*args):
     (["serve", "--export", "{tmp}", "--dtype", "int8"], "--dtype must be one of"),
     (["serve", "--export", "{tmp}", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
     (["serve", "--export", "{tmp}", "--rounds", "0"], "--rounds must be at least 1"),
+    (["serve", "--export", "{tmp}", "--paired-steps", "-1"], "--paired-steps must be 0 (not run) or more"),
     (["serve", "--export", "{tmp}", "--png", "{tmp}/missing/serve.png"], "does not exist"),
     (["serve-point", "{tmp}/missing", "{tmp}", "{tmp}/point.json"], "does not exist"),
     (["openai", "--export", "{tmp}"], "is not a kvfold export"),
@@ -134,6 +135,23 @@ def test_rounds_give_each_rounds_ratio_to_the_same_rounds_original_and_their_med
                                          "generated_tokens_per_s_median": 1.1}
 
 
+def test_paired_figures_are_medians_of_the_counted_steps_and_their_ratio_to_the_originals():
+    from kvfold.bench.serve_paired import paired_figures
+
+    ms = 1e-3
+    turns = [{"original": [50 * ms, 52 * ms, 51 * ms], "export:bits": [45 * ms, 46 * ms, 47 * ms]},
+             {"original": [60 * ms, 61 * ms, 62 * ms], "export:bits": [55 * ms, 54 * ms, 56 * ms]},  # drifted
+             {"original": [51 * ms, 50 * ms, 52 * ms], "export:bits": [46 * ms, 45 * ms, 47 * ms]}]
+    got = paired_figures(turns)
+    assert got["original"] == {"decode_steps": 9, "ms_per_step": 52.0, "decode_tokens_per_s": 19.23,
+                               "vs_original": 1.0, "vs_original_turn_quartiles": [1.0, 1.0]}
+    bits = got["export:bits"]
+    assert bits["decode_steps"] == 9 and bits["ms_per_step"] == 47.0 and bits["decode_tokens_per_s"] == 21.28
+    assert bits["vs_original"] == round(52 / 47, 4) == 1.1064
+    # each turn's median ratio 51/46, 61/55, 51/46; the quartiles of three (exclusive method): their least, greatest
+    assert bits["vs_original_turn_quartiles"] == [round(51 / 46, 4), round(61 / 55, 4)] == [1.1087, 1.1091]
+
+
 def test_layout_capacities_follow_vllms_page_formula():
     from types import SimpleNamespace
 
@@ -169,18 +187,21 @@ REPORT = {
     "workloads": {"which": "all", "probe": {"prompts": 2, "prompt_tokens": 256, "greedy_tokens": 16},
                   "cache_limited": {"requests": 8, "prompt_tokens": 256, "new_tokens": 256, "tokens": 4096,
                                     "limits_original": True},
-                  "long_context": {"prompt_tokens": 1024, "new_tokens": 128}},
+                  "long_context": {"prompt_tokens": 1024, "new_tokens": 128},
+                  "paired_decode": {"context": 1024, "counted_steps_per_configuration": 128, "runs": True}},
     "configurations": {
         "original": {"kind": "original", "runs": True, "kv_blocks": 11, "block_size": 128, "kv_token_capacity": 1408,
                      "bytes_per_token": 47662.5, "vs_original": {"kv_token_capacity": 1.0},
                      "cache_limited": {"peak_running_requests": 4, "generated_tokens_per_s": 30.1},
-                     "long_context": {"decode_tokens_per_s": 12.5}},
+                     "long_context": {"decode_tokens_per_s": 12.5},
+                     "paired_decode": {"decode_tokens_per_s": 20.0, "vs_original": 1.0}},
         "export:rank": {"kind": "export", "runs": True, "kv_blocks": 15, "block_size": 128, "kv_token_capacity": 1920,
                         "bytes_per_token": 34952.5, "vs_original": {"kv_token_capacity": 1.3636},
                         "probe": {"greedy_tokens_equal": 9, "greedy_tokens": 32, "top1_agreement": 0.81,
                                   "ppl_ratio": 1.3},
                         "cache_limited": {"peak_running_requests": 6, "generated_tokens_per_s": 25.0},
-                        "long_context": {"decode_tokens_per_s": 9.0}},
+                        "long_context": {"decode_tokens_per_s": 9.0},
+                        "paired_decode": {"decode_tokens_per_s": 19.8, "vs_original": 0.9876}},
         "int8_per_token_head": {"kind": "kv_cache_dtype", "runs": False, "reason": "the cache is not read back",
                                 "kv_blocks": 45, "block_size": 128, "kv_token_capacity": 5760,
                                 "bytes_per_token": 11650.8, "vs_original": {"kv_token_capacity": 4.0909},
@@ -200,11 +221,15 @@ def test_table_and_png(tmp_path):
     console.print(serve_table(REPORT))
     text = console.export_text()
     assert "export:rank" in text and "1.364" in text and "4.091" in text and "0.010" in text and "900" in text
+    assert "paired ×" in text and "0.988" in text
     draw(REPORT, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     only = {k: v for k, v in REPORT["workloads"].items() if k in ("probe", "cache_limited")}
     draw({**REPORT, "workloads": {**only, "which": "limited"}}, tmp_path / "limited.png")
     draw({**REPORT, "workloads": {"which": "none", "probe": only["probe"]}}, tmp_path / "capacity.png")
+    unpaired = {name: {k: v for k, v in c.items() if k != "paired_decode"}
+                for name, c in REPORT["configurations"].items()}
+    draw({**REPORT, "configurations": unpaired}, tmp_path / "unpaired.png")
 
 
 @pytest.fixture
@@ -240,7 +265,8 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     """1 MiB: 6 blocks of 128 tokens of the original, fewer than the 8 × (64 + 128) of the cache-limited workload.
     fp8 refuses head_dim 80 on CPU (runs: false with the engine's own reason); a bfloat16 cache under a float32
     model starts, and the probe finds it read back as float32, or vLLM's worker crashes reading it (runs: false
-    either way, measured); the JSON and PNG written. Each engine runs in one process (ENGINE_IN_PROCESS)."""
+    either way, measured); the JSON and PNG written. Each engine runs in one process (ENGINE_IN_PROCESS); the paired
+    decode runs the two that run in one process, taking turns."""
     pytest.importorskip("matplotlib")
     for name, value in ENGINE_IN_PROCESS.items():
         monkeypatch.setenv(name, value)
@@ -249,7 +275,7 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     result = run("serve", "--export", export, "--against", original_dir, "--kv-cache-mib", "1",
                  "--kv-cache-dtype", "fp8", "--kv-cache-dtype", "bfloat16", "--requests", "8",
                  "--prompt-tokens", "64", "--new-tokens", "128", "--long-prompt-tokens", "400",
-                 "--long-new-tokens", "8", "--rounds", "2",
+                 "--long-new-tokens", "8", "--rounds", "2", "--paired-steps", "14",
                  "--eager", "--json", out, "--png", png)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -295,3 +321,12 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
     ratios = exported["rounds"]["vs_original"]["decode_tokens_per_s"]
     assert ratios[0] == exported["vs_original"]["decode_tokens_per_s"]
     assert exported["rounds"]["vs_original"]["decode_tokens_per_s_median"] == round(sum(ratios) / 2, 4)
+    # --paired-steps 14: the configurations that run, their engines in one process taking turns (two turns of 7)
+    paired = report["workloads"]["paired_decode"]
+    assert paired["runs"] and paired["context"] == 400 and paired["counted_steps_per_configuration"] == 14
+    assert "paired_decode" not in configs["fp8"] and "paired_decode" not in half
+    assert original["paired_decode"]["vs_original"] == 1.0
+    for c in (original, exported):
+        assert c["paired_decode"]["decode_steps"] == 14 and c["paired_decode"]["decode_tokens_per_s"] > 0
+        low, high = c["paired_decode"]["vs_original_turn_quartiles"]
+        assert 0 < low <= high
