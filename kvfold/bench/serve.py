@@ -256,6 +256,7 @@ def _paired(configs: dict, models: dict, tokenizer_dir: Path, budget: int, dtype
     wanted = {name: (models[name][0], models[name][1].get("kv_cache_dtype", "auto")) for name in names}
     figures = _run_paired(wanted, tokenizer_dir, budget, dtype, eager, context, steps)
     if "error" in figures:
+        log.warning("serve: the paired decode failed: %s", figures["error"])
         return shape | {"runs": False, "reason": f"the paired run failed: {figures['error']}"}
     for name in names:
         configs[name]["paired_decode"] = figures[name]
