@@ -11,7 +11,8 @@ process), then decode steps in blocks of eight, the first step of each block dro
   turns, block by block.
 Prints JSON: each side's median step in ms and their ratio. Two engines run one after another drift apart by
 ±10–20% on a small shared machine; sides that take turns in one process see the same drift, so their ratio is what
-the change (or the export) did. docs/results.md has the figures.
+the change (or the export) did. docs/results.md has the figures. `kvfold-bench serve --paired-steps N` measures the
+second mode inside the bench, for every configuration it runs at once.
 """
 
 from __future__ import annotations

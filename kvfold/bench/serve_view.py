@@ -82,8 +82,8 @@ def draw(report: dict, path: Path) -> None:
                      fontsize=8)
     series = [("cache_limited", "generated_tokens_per_s", "generated tok/s, cache-limited workload"),
               ("long_context", "decode_tokens_per_s", "decode tok/s, batch 1 at long context"),
-              ("paired_decode", "decode_tokens_per_s", "decode tok/s, batch 1 at long context, the engines taking "
-                                                       "turns in one process")]
+              ("paired_decode", "decode_tokens_per_s", "decode tok/s, batch 1 at long context, paired: the engines "
+                                                       "taking turns in one process (no engine-core process)")]
     series = [s for s in series if any((configs[n].get(s[0]) or {}).get(s[1]) is not None for n in names)]
     width = 0.8 / max(1, len(series))
     for i, (workload, key, label) in enumerate(series):
