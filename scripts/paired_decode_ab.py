@@ -3,8 +3,10 @@
     .venv/bin/python scripts/paired_decode_ab.py EXPORT                     # one-call path on / off, one engine
     .venv/bin/python scripts/paired_decode_ab.py EXPORT --against-original  # the original's engine and the export's
 
-One request of `--context` prompt tokens per engine (float32, 256 MiB of KV cache, compiled, the engines in this
-process), then decode steps in blocks of eight, the first step of each block dropped:
+One request of `--context` wiki:eval prompt tokens per engine (float32, 256 MiB of KV cache, compiled, the engines
+in this process), then decode steps in blocks of eight, the first step of each block dropped, the sides' order
+rotating (kvfold/bench/serve_paired.py's engines and turns; `--steps`: counted steps in all with one engine, each
+with two):
 - by default the export's steps alternate between the one-call C path (kvfold_decode_layer, "on") and the separate
   write and attention calls ("off": every layer's KVFoldAttentionImpl told it has no one-call path);
 - with --against-original the original's engine (--original, default the embedded SmolLM2) and the export's take
@@ -23,43 +25,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engines in t
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 DEFAULT_ORIGINAL = Path.home() / ".cache" / "kvfold" / "models" / "SmolLM2-135M-Instruct"
-WARMUP, BLOCK = 12, 8
-
-
-def _engine(path: str, tokenizer: str, context: int, steps: int):
-    """An engine holding one request of `context` prompt tokens, past its prefill and WARMUP decode steps."""
-    from vllm import EngineArgs, LLMEngine, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    n = steps + WARMUP
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=path, tokenizer=tokenizer, dtype="float32", kv_cache_memory_bytes=256 << 20,
-        max_model_len=context + n + BLOCK, enable_prefix_caching=False, seed=0))
-    prompt = [(i * 7919) % 40000 + 100 for i in range(context)]  # any tokens: only the steps' time matters
-    engine.add_request("r", TokensPrompt(prompt_token_ids=prompt),
-                       SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0))
-    for _ in range(WARMUP):
-        engine.step()
-    return engine
-
-
-def _take_turns(sides: dict, steps: int) -> dict[str, float]:
-    """sides: name -> (engine, called before each of its blocks); each side's median step (s)."""
-    times = {name: [] for name in sides}
-    for _ in range(steps // (BLOCK * len(sides))):
-        for name, (engine, before) in sides.items():
-            before()
-            for i in range(BLOCK):
-                t = time.perf_counter()
-                engine.step()
-                if i:
-                    times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(t) for name, t in times.items()}
+ENGINE = {"kv_cache_bytes": 256 << 20, "dtype": "float32", "eager": False}
 
 
 def main() -> None:
@@ -71,7 +40,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=160)
     args = parser.parse_args()
 
+    from kvfold.bench.serve_paired import BLOCK, paired_decode, paired_figures, start_engine, take_turns, turns_for
+    from kvfold.bench.serve_point import wiki_eval_ids
     from kvfold_runtime.vllm.backend import KVFoldAttentionImpl
+
+    out = {"export": args.export, "context": args.context}
+    if args.against_original:  # what `kvfold-bench serve --paired-steps` does, for one export
+        figures = paired_decode({"original": (args.original, "auto"), "export": (args.export, "auto")},
+                                args.original, context=args.context, steps=args.steps, **ENGINE)
+        original, export = figures["original"], figures["export"]
+        out |= {"original_ms": original["ms_per_step"], "export_ms": export["ms_per_step"],
+                "export_speed_vs_original": export["vs_original"]}
+        print(json.dumps(out))
+        return
 
     layers, init = [], KVFoldAttentionImpl.__init__
 
@@ -80,29 +61,24 @@ def main() -> None:
         layers.append(self)
 
     KVFoldAttentionImpl.__init__ = collect
-    export = _engine(args.export, args.original, args.context, args.steps)
-    out = {"export": args.export, "context": args.context}
-    if args.against_original:
-        original = _engine(args.original, args.original, args.context, args.steps)
-        median = _take_turns({"original": (original, lambda: None), "export": (export, lambda: None)},
-                             2 * args.steps)
-        out |= {"original_ms": round(1000 * median["original"], 2), "export_ms": round(1000 * median["export"], 2),
-                "export_speed_vs_original": round(median["original"] / median["export"], 4)}
-    else:
-        made = [layer._decode_layer for layer in layers]
-        if not any(made):
-            raise SystemExit("no layer runs the one-call path here (not float32 on a CPU with a C compiler?)")
+    turns = turns_for(args.steps // 2)  # both sides step the one engine's one request
+    prompt = wiki_eval_ids(Path(args.original), args.context)[:args.context]
+    engine = start_engine(args.export, "auto", prompt, 2 * turns * BLOCK, **ENGINE)
+    made = [layer._decode_layer for layer in layers]
+    if not any(made):
+        raise SystemExit("no layer runs the one-call path here (not float32 on a CPU with a C compiler?)")
 
-        def switch(on: bool):
-            def set_all():
-                for layer, one_call in zip(layers, made, strict=True):
-                    layer._decode_layer = one_call if on else False
-            return set_all
+    def switch(on: bool):
+        def set_all():
+            for layer, one_call in zip(layers, made, strict=True):
+                layer._decode_layer = one_call if on else False
+        return set_all
 
-        median = _take_turns({"on": (export, switch(True)), "off": (export, switch(False))}, args.steps)
-        out |= {"one_call_ms": round(1000 * median["on"], 2), "separate_calls_ms": round(1000 * median["off"], 2),
-                "saved_ms": round(1000 * (median["off"] - median["on"]), 2),
-                "saved_fraction": round(1 - median["on"] / median["off"], 4)}
+    figures = paired_figures(take_turns({"on": (engine, switch(True)), "off": (engine, switch(False))}, turns),
+                             original="off")
+    on, off = figures["on"]["ms_per_step"], figures["off"]["ms_per_step"]
+    out |= {"one_call_ms": on, "separate_calls_ms": off, "saved_ms": round(off - on, 3),
+            "saved_fraction": round(1 - on / off, 4)}
     print(json.dumps(out))
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvfold.bench.serve_point import wiki_eval_ids
 
-__all__ = ["BLOCK", "WARMUP", "paired_decode", "paired_figures"]
+__all__ = ["BLOCK", "WARMUP", "paired_decode", "paired_figures", "start_engine", "take_turns", "turns_for"]
 
 WARMUP, BLOCK = 12, 8
 
@@ -45,8 +46,8 @@ def paired_figures(turns: list[dict[str, list[float]]], original: str = "origina
     return out
 
 
-def _engine(model: str, kv_cache_dtype: str, prompt: list[int], steps: int, kv_cache_bytes: int, dtype: str,
-            eager: bool):
+def start_engine(model: str, kv_cache_dtype: str, prompt: list[int], steps: int, kv_cache_bytes: int, dtype: str,
+                 eager: bool):
     """An engine holding one request of `prompt`, past its prefill and WARMUP decode steps, with `steps` more
     to go before it finishes."""
     from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -65,26 +66,38 @@ def _engine(model: str, kv_cache_dtype: str, prompt: list[int], steps: int, kv_c
     return engine
 
 
-def paired_decode(models: dict[str, tuple[str, str]], tokenizer_dir: str, kv_cache_bytes: int, dtype: str,
-                  eager: bool, context: int, steps: int) -> dict:
-    """models: configuration -> (model folder, kv_cache_dtype), "original" among them. Every engine in this
-    process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0, so each engine core and its worker live here),
-    at least `steps` counted decode steps each; paired_figures of the turns."""
-    turns_needed = math.ceil(steps / (BLOCK - 1))
-    prompt = wiki_eval_ids(Path(tokenizer_dir), context)[:context]
-    engines = {name: _engine(model, kv_dtype, prompt, turns_needed * BLOCK, kv_cache_bytes, dtype, eager)
-               for name, (model, kv_dtype) in models.items()}
-    names, turns = list(engines), []
-    for turn in range(turns_needed):
+def turns_for(steps: int) -> int:
+    """Turns that give each side at least `steps` counted steps."""
+    return math.ceil(steps / (BLOCK - 1))
+
+
+def take_turns(sides: dict[str, tuple[object, Callable[[], None]]], turns: int) -> list[dict[str, list[float]]]:
+    """sides: name -> (engine, called before each of its blocks). `turns` turns of BLOCK steps a side, the order
+    rotating each turn; per turn, each side's counted step times (s)."""
+    names, out = list(sides), []
+    for turn in range(turns):
         order = names[turn % len(names):] + names[:turn % len(names)]
         times: dict[str, list[float]] = {}
         for name in order:
-            engine, kept = engines[name], []
+            engine, before = sides[name]
+            before()
+            kept = times[name] = []
             for i in range(BLOCK):
                 t0 = time.perf_counter()
                 engine.step()
                 if i:
                     kept.append(time.perf_counter() - t0)
-            times[name] = kept
-        turns.append({name: times[name] for name in names})
-    return paired_figures(turns)
+        out.append({name: times[name] for name in names})
+    return out
+
+
+def paired_decode(models: dict[str, tuple[str, str]], tokenizer_dir: str, kv_cache_bytes: int, dtype: str,
+                  eager: bool, context: int, steps: int) -> dict:
+    """models: configuration -> (model folder, kv_cache_dtype), "original" among them. Every engine in this
+    process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0, so each engine core and its worker live here),
+    at least `steps` counted decode steps each; paired_figures of the turns."""
+    turns = turns_for(steps)
+    prompt = wiki_eval_ids(Path(tokenizer_dir), context)[:context]
+    engines = {name: start_engine(model, kv_dtype, prompt, turns * BLOCK, kv_cache_bytes, dtype, eager)
+               for name, (model, kv_dtype) in models.items()}
+    return paired_figures(take_turns({name: (engine, lambda: None) for name, engine in engines.items()}, turns))
