@@ -192,6 +192,22 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     assert not _close(frontier_logits(setup, cands[1].patches), frontier_logits(setup), 1e-3)
 
 
+def test_the_ideal_coder_references_store_kvfold_bits_plans_at_the_same_bytes_with_less_error(setup):
+    """kvfold-bits-limit(+2dB): kvfold-bits' plans and bytes, the cache through measure/stored.ideal; references,
+    not caches, so only run when named."""
+    from kvfold.bench.frontier.methods import DEFAULT, REFERENCES
+
+    assert set(REFERENCES) <= set(METHODS) and not set(REFERENCES) & set(DEFAULT)
+    (bits,) = replace(METHODS["kvfold-bits"], grid=(3.0,)).candidates(setup)
+    (limit,) = replace(METHODS["kvfold-bits-limit"], grid=(3.0,)).candidates(setup)
+    (above,) = replace(METHODS["kvfold-bits-limit+2dB"], grid=(3.0,)).candidates(setup)
+    assert bits.kv_fraction == limit.kv_fraction == above.kv_fraction
+    full = frontier_logits(setup)
+    err = {name: float((frontier_logits(setup, c.patches) - full).square().mean())
+           for name, c in (("bits", bits), ("limit", limit), ("above", above))}
+    assert err["limit"] < err["above"] < err["bits"], err
+
+
 def test_int_per_token_and_kivi_count_their_scales(setup):
     from kvfold.bench.frontier.methods.quant import kivi_roundtrip
 

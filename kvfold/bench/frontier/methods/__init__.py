@@ -42,6 +42,9 @@ _ALL: list[Method] = [
     # the transform-coded cache (issue 13) and the quantized caches a user would pick instead of it
     KVFoldBits(),
     KVFoldBits(name="kvfold-bits-heads", label="kvfold-bits, per-head θ from rounding costs", allocation="sensitivity"),
+    # references, not caches: kvfold-bits' plans and bytes with an ideal coder's error (issue 25, item 4)
+    KVFoldBits(name="kvfold-bits-limit", label="kvfold-bits plans, ideal coder (rate-distortion limit)", limit_db=0.0),
+    KVFoldBits(name="kvfold-bits-limit+2dB", label="kvfold-bits plans, a coder 2 dB above the limit", limit_db=2.0),
     IntPerToken(8),
     IntPerToken(4),
     Kivi(4),
@@ -56,7 +59,8 @@ _ALL: list[Method] = [
     TurboQuant("turboquant_3bit_nc"),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
-DEFAULT = tuple(METHODS)
+REFERENCES = ("kvfold-bits-limit", "kvfold-bits-limit+2dB")  # not caches: only when asked for by name
+DEFAULT = tuple(n for n in METHODS if n not in REFERENCES)
 # On further models (the MHA variant: GQA vs MHA) kvfold against each peer, without the ablations.
 PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8", "kvfold-bits", "int8", "int4", "kivi4",
          "kivi2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
