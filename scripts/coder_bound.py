@@ -4,7 +4,8 @@ kvfold-bits stores each band of a head's rotated, DCT-mixed row with b-bit unifo
 token (kvfold_runtime.bands). Rate-distortion theory bounds what any coder of b bits per number can do: a
 Gaussian row of energy σ² per number can be stored with squared error D = σ² 2^(−2b) per number and no less, a
 limit long vector quantizers approach (trellis-coded or lattice quantizers come within a fraction of a dB of it);
-a fixed-rate scalar quantizer stays above it (4 bits on a Gaussian: uniform 4.7 dB, Lloyd-Max 3.9 dB).
+a fixed-rate scalar quantizer stays above it (4 bits on a Gaussian of known variance: uniform 4.7 dB, Lloyd-Max
+3.9 dB; a scale per row, side information, brings kvfold's uniform codes to about 3 dB).
 
 This script scores one bits plan (the frontier's: `bench/frontier/methods/bits.py`, aware bases, V_SCALE,
 the export's band mixing) at a chosen fraction of fp16's bytes with two kinds of cache on the frontier's own
@@ -36,11 +37,10 @@ import torch
 
 from kvfold.bench.frontier.setup import Setup
 from kvfold.bench.frontier.sweep import Point, meets
-from kvfold.measure.stored import ideal
+from kvfold.measure.stored import banded, ideal
 from kvfold.plan.bits import V_SCALE, BitRule, plan_bits
 from kvfold.plan.longrange import NUDGES, judge
 from kvfold.plan.targets import bit_patches
-from kvfold_runtime import band_roundtrip
 
 
 def plan_at(bases, fraction: float):
@@ -72,10 +72,11 @@ def _limit(part: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def uniform(bands_per_head: list, tally: Tally | None, nudge: float = 0.0):
-    """Today's band coder (as plan/stored.banded), tallying its error against the limit's."""
+    """Today's band coder (measure/stored.banded), tallying its error against the limit's."""
+    store = banded(bands_per_head, nudge)
+
     def quantize(x: torch.Tensor) -> torch.Tensor:  # [B, H_kv, T, d]
-        x = x * (1.0 + nudge) if nudge else x
-        out = torch.stack([band_roundtrip(x[:, g], b) for g, b in enumerate(bands_per_head)], dim=1)
+        out = store(x)
         if tally is not None:
             for g, head in enumerate(bands_per_head):
                 for band in (b for b in head if b.scaled):

@@ -74,7 +74,8 @@ def ideal(bands: list, gap_db: float = 0.0, seed: int = 0) -> Callable[[torch.Te
 
     Rate-distortion theory: a Gaussian row of σ² per number stored in b bits per number has a squared error of
     at least D = σ² 2^(−2b) per number, a limit long vector quantizers (trellis-coded, lattice) approach and no
-    fixed-rate scalar quantizer reaches (on a Gaussian at 4 bits: uniform 4.7 dB above it, Lloyd-Max 3.9 dB).
+    fixed-rate scalar quantizer reaches (on a Gaussian of known variance at 4 bits: uniform 4.7 dB above it,
+    Lloyd-Max 3.9 dB; kvfold's band codes, with a fitted scale per row, 3.2-3.3 dB on SmolLM2's rows).
     Each band of each token row gets the Gaussian test channel of its own energy σ² (the row's mean square over
     the band), `gap_db` above the limit: x̂ = a·x + √(a·D)·n with D = 10^(gap/10)·σ² 2^(−2b), a = 1 − D/σ²,
     n ~ N(0, 1) — squared error D, the error uncorrelated with x̂, as the optimal coder's. 16-bit bands read back

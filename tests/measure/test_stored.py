@@ -44,11 +44,11 @@ def test_the_ideal_coder_stores_16_bit_bands_as_float16_and_drops_dims_no_band_h
 
 
 def test_the_band_coder_is_a_few_db_above_the_limit_on_gaussian_rows():
-    """What a better coder could gain: kvfold's fitted uniform codes sit 3-4 dB above the limit on Gaussian rows
-    (measured on SmolLM2's real rows: 3.3 dB, scripts/coder_bound.py); a fixed-rate scalar quantizer cannot
-    reach it (Lloyd-Max's optimum for a Gaussian at 4 bits is 3.9 dB above it, uniform's 4.7 dB without fitted
-    per-row scales)."""
+    """What a better coder could gain: kvfold's fitted uniform codes sit about 3 dB above the limit on these rows
+    (2.9-3.0 dB at 3-5 bits; 3.15-3.26 dB on SmolLM2's real rows, scripts/coder_bound.py). For comparison, the
+    best fixed-rate scalar code of a Gaussian of known variance (Lloyd-Max) is 3.9 dB above it at 4 bits; the
+    per-row scale, side information, lets these codes do better than that."""
     x = _rows()
     for bits in (3, 4, 5):
         gap = _db(x, banded([(Band(0, 32, bits),)])(x), bits)
-        assert 2.0 < gap < 5.0, (bits, gap)
+        assert 2.5 < gap < 3.5, (bits, gap)
