@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from kvfold.bench.frontier.setup import Setup
-from kvfold.bench.frontier.sweep import Point, meets
+from kvfold_bench.frontier.setup import Setup
+from kvfold_bench.frontier.sweep import Point, meets
 from kvfold.measure.stored import banded, ideal
 from kvfold.plan.bits import V_SCALE, BitRule, plan_bits
 from kvfold.plan.longrange import NUDGES, judge

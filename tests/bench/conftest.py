@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfold.bench.frontier.patches import mapped_projections
-from kvfold.bench.frontier.setup import Setup
+from kvfold_bench.frontier.patches import mapped_projections
+from kvfold_bench.frontier.setup import Setup
 from kvfold.hooks import patched
 
 

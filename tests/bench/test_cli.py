@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvfold import cli
-from kvfold.bench.cli import app
+from kvfold_bench.cli import app
 from tests.runtime.conftest import write_export
 from tests.test_cli import assert_user_error
 
@@ -22,9 +22,9 @@ def run(*args):
 
 def test_bench_is_its_own_console_script_not_a_kvfold_command():
     (script,) = entry_points(group="console_scripts", name="kvfold-bench")
-    assert script.value == "kvfold.bench.cli:main"
+    assert script.value == "kvfold_bench.cli:main"
     assert runner.invoke(cli.app, ["bench", "--help"]).exit_code == 2  # no such command
-    done = subprocess.run([sys.executable, "-m", "kvfold.bench", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "kvfold_bench", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and all(c in done.stdout for c in ("frontier", "calibrate", "memory", "compile"))
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvfold.bench.engine_host import _host, run_module
+from kvfold_bench.engine_host import _host, run_module
 
 CHILD = "tests.bench.engine_host_child"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

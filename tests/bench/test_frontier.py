@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from kvfold.bench.cli import app
-from kvfold.bench.frontier.sweep import Point, at_target, meets
+from kvfold_bench.cli import app
+from kvfold_bench.frontier.sweep import Point, at_target, meets
 
 
 def _p(kv: float, ratio: float) -> Point:

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvfold.bench.frontier.methods import METHODS, get_methods
-from kvfold.bench.frontier.methods.palu import prerope_grams
-from kvfold.bench.frontier.methods.think import channel_masks
-from kvfold.bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask
+from kvfold_bench.frontier.methods import METHODS, get_methods
+from kvfold_bench.frontier.methods.palu import prerope_grams
+from kvfold_bench.frontier.methods.think import channel_masks
+from kvfold_bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import _patch
@@ -57,7 +57,7 @@ def test_palu_reconstructs_low_rank_keys_and_values_before_rope(setup):
 
 def test_palu_at_full_rank_is_exact(setup):
     grams = prerope_grams(setup.model, setup.adapter, setup.calib_sequences())
-    from kvfold.bench.frontier.methods.palu import _projector
+    from kvfold_bench.frontier.methods.palu import _projector
     from kvfold.calib.spectrum import svd_from_gram
 
     maps = {key: _projector(svd_from_gram(g)[1], g.shape[0], torch.float32) for key, g in grams.items()}
@@ -195,7 +195,7 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
 def test_the_ideal_coder_references_store_kvfold_bits_plans_at_the_same_bytes_with_less_error(setup):
     """kvfold-bits-limit(+2dB): kvfold-bits' plans and bytes, the cache through measure/stored.ideal; references,
     not caches, so only run when named."""
-    from kvfold.bench.frontier.methods import DEFAULT, REFERENCES
+    from kvfold_bench.frontier.methods import DEFAULT, REFERENCES
 
     assert set(REFERENCES) <= set(METHODS) and not set(REFERENCES) & set(DEFAULT)
     (bits,) = replace(METHODS["kvfold-bits"], grid=(3.0,)).candidates(setup)
@@ -209,7 +209,7 @@ def test_the_ideal_coder_references_store_kvfold_bits_plans_at_the_same_bytes_wi
 
 
 def test_int_per_token_and_kivi_count_their_scales(setup):
-    from kvfold.bench.frontier.methods.quant import kivi_roundtrip
+    from kvfold_bench.frontier.methods.quant import kivi_roundtrip
 
     d = setup.model.config.head_dim
     (i8,), (i4,) = METHODS["int8"].candidates(setup), METHODS["int4"].candidates(setup)

@@ -4,9 +4,9 @@ drawn the same way for every method (patches.nudged)."""
 
 import torch
 
-from kvfold.bench.frontier.methods.vllm_kv import ROUNDTRIPS
-from kvfold.bench.frontier.patches import nudged, quantized_kv
-from kvfold.bench.frontier.sweep import Point, read_with_passkeys
+from kvfold_bench.frontier.methods.vllm_kv import ROUNDTRIPS
+from kvfold_bench.frontier.patches import nudged, quantized_kv
+from kvfold_bench.frontier.sweep import Point, read_with_passkeys
 from kvfold.hooks import patched
 from kvfold.measure.passkey import passkey_answers
 from kvfold.plan.longrange import judge

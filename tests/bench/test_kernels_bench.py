@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvfold.bench.kernels import bits_layer, synthetic_layer
+from kvfold_bench.kernels import bits_layer, synthetic_layer
 from tests.bench.test_cli import run
 from tests.runtime.conftest import write_export
 from tests.test_cli import assert_user_error
@@ -43,7 +43,7 @@ def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
 def test_a_smoke_run_writes_json_and_png(tiny_dirs, tmp_path):
     export = write_export("LlamaForCausalLM", tiny_dirs["LlamaForCausalLM"], tmp_path / "export", "uneven")
     out, png = tmp_path / "k.json", tmp_path / "k.png"
-    done = subprocess.run([sys.executable, "-m", "kvfold.bench", "kernels", "--smoke", "--reps", "1",
+    done = subprocess.run([sys.executable, "-m", "kvfold_bench", "kernels", "--smoke", "--reps", "1",
                            "--export", str(export.path), "--json", str(out), "--png", str(png)],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

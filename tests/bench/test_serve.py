@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvfold.bench.cli import app
-from kvfold.bench.serve import KV_DTYPES, capacity_figures, layout_capacities, round_figures
-from kvfold.bench.serve_point import agreement, reads_back
+from kvfold_bench.cli import app
+from kvfold_bench.serve import KV_DTYPES, capacity_figures, layout_capacities, round_figures
+from kvfold_bench.serve_point import agreement, reads_back
 from tests.runtime.conftest import write_export
 from tests.runtime.vllm_engine import ENGINE_IN_PROCESS
 from tests.test_cli import assert_user_error
@@ -83,7 +83,7 @@ def test_probe_agreement_and_verdict():
 
 
 def test_an_engine_failure_is_named_by_its_root_cause():
-    from kvfold.bench.serve import _why
+    from kvfold_bench.serve import _why
 
     crash = ("(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit "
              "code: -11), shutting down executor.\n(EngineCore pid=1) ERROR [core.py:1512] RuntimeError: cancelled\n")
@@ -136,7 +136,7 @@ def test_rounds_give_each_rounds_ratio_to_the_same_rounds_original_and_their_med
 
 
 def test_paired_figures_are_medians_of_the_counted_steps_and_their_ratio_to_the_originals():
-    from kvfold.bench.serve_paired import paired_figures
+    from kvfold_bench.serve_paired import paired_figures
 
     ms = 1e-3
     turns = [{"original": [50 * ms, 52 * ms, 51 * ms], "export:bits": [45 * ms, 46 * ms, 47 * ms]},
@@ -168,7 +168,7 @@ def test_layout_capacities_follow_vllms_page_formula():
 def test_tensor_parallel_capacity_against_an_even_split():
     from types import SimpleNamespace
 
-    from kvfold.bench.serve import tensor_parallel_figures
+    from kvfold_bench.serve import tensor_parallel_figures
     from kvfold_runtime import ConfigBlock
 
     block = ConfigBlock([[8, 8], [8, 4]], [[8, 8], [4, 4]], True)  # float32: (32 + 20) · 4 = 208 bytes a token
@@ -215,7 +215,7 @@ def test_table_and_png(tmp_path):
     pytest.importorskip("matplotlib")
     from rich.console import Console
 
-    from kvfold.bench.serve_view import draw, serve_table
+    from kvfold_bench.serve_view import draw, serve_table
 
     console = Console(width=200, record=True)
     console.print(serve_table(REPORT))

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvfold.bench.frontier.methods.turboquant import (
+from kvfold_bench.frontier.methods.turboquant import (
     PRESETS,
     TurboQuant,
     boundary_layers,

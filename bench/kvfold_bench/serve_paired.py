@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvfold.bench.serve_point import wiki_eval_ids
+from kvfold_bench.serve_point import wiki_eval_ids
 
 __all__ = ["BLOCK", "WARMUP", "paired_decode", "paired_figures", "start_engine", "take_turns", "turns_for"]
 

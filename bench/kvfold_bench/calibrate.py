@@ -41,7 +41,7 @@ def bench_calibrate(model: str, tokens: list[int], source: str, seq_len: int, ba
     api.prepare(model)  # bad models fail here; the embedded default's cache is built outside the timed runs
     points = []
     for n in tokens:
-        cmd = [sys.executable, "-m", "kvfold.bench", "calibrate-point", model, "--tokens", str(n),
+        cmd = [sys.executable, "-m", "kvfold_bench", "calibrate-point", model, "--tokens", str(n),
                "--source", source, "--seq-len", str(seq_len), "--batch", str(batch)]
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)

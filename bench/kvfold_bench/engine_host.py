@@ -2,7 +2,7 @@
 that imported vLLM once.
 
 `from vllm import LLM` takes ~17 s on a 2-core CPU, longer than a tiny engine's whole run; the benches and the
-tests start dozens of engines. The host (`python -m kvfold.bench.engine_host`, one per calling process, started on
+tests start dozens of engines. The host (`python -m kvfold_bench.engine_host`, one per calling process, started on
 first use) has imported vLLM and started nothing else: no engine, no torch thread pool. For each run it forks a
 child that behaves as a fresh `python -m MODULE ARGS` would (its own session, working directory, environment,
 argv, stdin from /dev/null, stdout and stderr captured), and reports the child's exit status. Every process of the

@@ -293,7 +293,7 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
 def draw(report: dict, path: Path) -> None:
     """Time ratio vs p per method (decode at the longest context, prefill at the longest prompt), with the
     1 − p line."""
-    from kvfold.bench.frontier.plot import pyplot
+    from kvfold_bench.frontier.plot import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))

@@ -1,7 +1,7 @@
 """Serving in vLLM with one KV memory budget: the original, kvfold exports (kvfold-runtime's plugin) and the
 original under vLLM's own `kv_cache_dtype` values, side by side.
 
-Every configuration runs in a process of its own (`serve-point`, kvfold/bench/serve_point.py: one vLLM engine per
+Every configuration runs in a process of its own (`serve-point`, bench/kvfold_bench/serve_point.py: one vLLM engine per
 process, forked from kvfold's engine host, which imported vLLM once and ran nothing: none inherits another's
 memory or compiled code) with the same `kv_cache_memory_bytes`.
 Reported from vLLM's own accounting: the KV blocks it allocated in that budget (× block size = the token
@@ -12,7 +12,7 @@ back as written, or whose engine fails, is reported with `"runs": false` and why
 With `rounds` > 1 every configuration that runs is run again in fresh engines, round by round (tokens/s only),
 and each speed's ratio to the original's is reported per round and as their median (`round_figures`).
 With `paired_steps` > 0 (and the long-context workload), every configuration that runs then decodes batch 1 at the
-long context in one process, the engines taking turns (kvfold/bench/serve_paired.py): the decode ratio that the
+long context in one process, the engines taking turns (bench/kvfold_bench/serve_paired.py): the decode ratio that the
 drift between engines started one after another does not blur.
 """
 
@@ -27,10 +27,10 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from kvfold.bench.engine_host import run_module
-from kvfold.bench.engine_log import root_cause
-from kvfold.bench.serve_paired import BLOCK, WARMUP
-from kvfold.bench.serve_point import (
+from kvfold_bench.engine_host import run_module
+from kvfold_bench.engine_log import root_cause
+from kvfold_bench.serve_paired import BLOCK, WARMUP
+from kvfold_bench.serve_point import (
     PROBE_MAX_PPL,
     PROBE_MIN_TOP1,
     PROBE_PROMPT_TOKENS,
@@ -85,7 +85,7 @@ def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]]
         workers = args["tensor_parallel"] * args["pipeline_parallel"]
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)  # ignored by vLLM's GPU builds
-        done = run_module("kvfold.bench", cmd, env=env)
+        done = run_module("kvfold_bench", cmd, env=env)
         if done.returncode != 0 or not out.exists():
             return {"error": _why(done.stdout + done.stderr)}
         return json.loads(out.read_text())
@@ -234,7 +234,7 @@ def _run_paired(models: dict[str, tuple[str, str]], tokenizer_dir: Path, kv_cach
                                     "kv_cache_bytes": kv_cache_bytes, "eager": eager, "context": context,
                                     "steps": steps}))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        done = run_module("kvfold.bench", ["serve-paired", str(spec), str(out)], env=env)
+        done = run_module("kvfold_bench", ["serve-paired", str(spec), str(out)], env=env)
         if done.returncode != 0 or not out.exists():
             return {"error": _why(done.stdout + done.stderr)}
         return json.loads(out.read_text())

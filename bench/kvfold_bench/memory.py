@@ -78,7 +78,7 @@ def one_run(model: str, exported: bool, context: int, new_tokens: int, batch: in
 
 
 def _run(model: str, exported: bool, context: int, new_tokens: int, batch: int) -> dict:
-    cmd = [sys.executable, "-m", "kvfold.bench", "memory-point", model, "--context", str(context),
+    cmd = [sys.executable, "-m", "kvfold_bench", "memory-point", model, "--context", str(context),
            "--new-tokens", str(new_tokens), "--batch", str(batch)] + (["--exported"] if exported else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_ARENA_MAX": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvfold.bench.engine_log import root_cause
+from kvfold_bench.engine_log import root_cause
 from kvfold.errors import KVFoldError
 
 __all__ = ["ask", "ask_server", "serve"]

@@ -1,4 +1,4 @@
-"""`kvfold-bench frontier|kernels|calibrate|export|compile|memory|serve|openai ...` (also `python -m kvfold.bench
+"""`kvfold-bench frontier|kernels|calibrate|export|compile|memory|serve|openai ...` (also `python -m kvfold_bench
 ...`): each prints or writes JSON measured in that run. A console script of its own, beside the product's
 `kvfold`: kvfold.cli never imports this package, and the compile benchmark runs `kvfold` as a child process.
 Every command, the hidden per-process ones too, runs inside user_errors: bad input is one `error:` line, exit 2."""
@@ -65,8 +65,8 @@ def frontier(
     kvfold-bits, int8, int4, KIVI, and vLLM's own int8/fp8/int4_per_token_head and turboquant_* caches); by name
     only, the references kvfold-bits-limit and kvfold-bits-limit+2dB (kvfold-bits' plans with an ideal coder's
     error)."""
-    from kvfold.bench.frontier import bench_frontier
-    from kvfold.bench.tables import frontier_table
+    from kvfold_bench.frontier import bench_frontier
+    from kvfold_bench.tables import frontier_table
 
     with user_errors():
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
@@ -90,14 +90,14 @@ def kernels(
     """GPU attention time: uncompressed torch SDPA vs kvfold's Triton kernels (plain and load-balanced) vs
     kvfold's torch path, decode B in {1, 16, 64} x S in {4K, 32K} and prefill 4K/16K, at p = 0.25 / 0.5
     uniform and uneven (Llama-3-8B layer shapes) and an export's widths."""
-    from kvfold.bench.kernels import bench_kernels, draw
-    from kvfold.bench.outputs import check_paths, write_outputs
+    from kvfold_bench.kernels import bench_kernels, draw
+    from kvfold_bench.outputs import check_paths, write_outputs
 
     with user_errors():
         check_paths(json_out, png)
         _at_least_1(("--reps", reps))
         if png is not None:
-            from kvfold.bench.frontier.plot import pyplot
+            from kvfold_bench.frontier.plot import pyplot
 
             pyplot()
         report = bench_kernels(export, dtype, smoke, reps)
@@ -115,7 +115,7 @@ def calibrate(
     batch: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 8,
 ) -> None:
     """Time calibration and measure its peak memory; print JSON."""
-    from kvfold.bench.calibrate import bench_calibrate
+    from kvfold_bench.calibrate import bench_calibrate
 
     with user_errors():
         report = bench_calibrate(model, tokens or [4096, 16384], source, seq_len, batch)
@@ -137,7 +137,7 @@ def export(
 ) -> None:
     """Export with each method at the target; compression and held-out ratios side by side; JSON.
     zack is the papers' method as published: one removal rate for every head (eq6)."""
-    from kvfold.bench.export import bench_export
+    from kvfold_bench.export import bench_export
 
     with user_errors():
         _at_least_1(("--calib-tokens", calib_tokens), ("--heldout-tokens", heldout_tokens))
@@ -155,7 +155,7 @@ def memory(
     batch: Annotated[int, typer.Option(help="Sequences generated together.")] = 1,
 ) -> None:
     """Peak memory of greedy generation, exported vs original, each in a fresh process; JSON."""
-    from kvfold.bench.memory import bench_memory
+    from kvfold_bench.memory import bench_memory
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
@@ -215,10 +215,10 @@ def serve(
     The defaults make the cache the limit of the original: 64 × (512 + 512) = 65,536 tokens against the
     11,648 that SmolLM2-135M's float32 cache holds in 512 MiB (the JSON's `limits_original` says so for any
     model and budget)."""
-    from kvfold.bench.outputs import check_paths, write_outputs
-    from kvfold.bench.serve import DEFAULT_KV_DTYPES, bench_serve
-    from kvfold.bench.serve_point import Workload
-    from kvfold.bench.serve_view import draw, serve_table
+    from kvfold_bench.outputs import check_paths, write_outputs
+    from kvfold_bench.serve import DEFAULT_KV_DTYPES, bench_serve
+    from kvfold_bench.serve_point import Workload
+    from kvfold_bench.serve_view import draw, serve_table
 
     with user_errors():
         check_paths(json_out, png)
@@ -228,7 +228,7 @@ def serve(
             raise KVFoldError(f"--paired-steps must be 0 (not run) or more, got {paired_steps}")
         shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
         if png is not None:
-            from kvfold.bench.frontier.plot import pyplot
+            from kvfold_bench.frontier.plot import pyplot
 
             pyplot()
         dtypes = list(DEFAULT_KV_DTYPES) if kv_cache_dtype is None else [d for d in kv_cache_dtype if d != "none"]
@@ -248,7 +248,7 @@ def openai(
 ) -> None:
     """vLLM's OpenAI-compatible server on the export (127.0.0.1, a free port): one /v1/completions and one
     /v1/chat/completions, then stopped; JSON with the answers and the seconds each step took."""
-    from kvfold.bench.openai_server import ask_server
+    from kvfold_bench.openai_server import ask_server
     from kvfold_runtime import MANIFEST
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
@@ -272,7 +272,7 @@ def compile(  # the command's name
 ) -> None:
     """The whole compile (calibrate → export → verify), each stage its own process: seconds, peak RSS and peak
     CUDA memory per stage, JSON."""
-    from kvfold.bench.compile import bench_compile
+    from kvfold_bench.compile import bench_compile
 
     with user_errors():
         report = bench_compile(shape, device, dtype, verify_dtype or dtype, tokens, fmt)
@@ -288,7 +288,7 @@ def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int =
                 long_new_tokens: int = 128, workload: str = "all", dtype: str = "float32", eager: bool = False,
                 reference: Path | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                 timing_only: bool = False) -> None:
-    from kvfold.bench.serve_point import Workload, one_engine
+    from kvfold_bench.serve_point import Workload, one_engine
 
     with user_errors():
         shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
@@ -300,7 +300,7 @@ def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int =
 
 @app.command("serve-paired", hidden=True)
 def serve_paired(spec: Path, out: Path) -> None:
-    from kvfold.bench.serve_paired import paired_decode
+    from kvfold_bench.serve_paired import paired_decode
 
     with user_errors():
         result = paired_decode(**json.loads(spec.read_text()))
@@ -310,7 +310,7 @@ def serve_paired(spec: Path, out: Path) -> None:
 @app.command("memory-point", hidden=True)
 def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: int = 1,
                  exported: bool = False) -> None:
-    from kvfold.bench.memory import one_run
+    from kvfold_bench.memory import one_run
 
     with user_errors():
         result = one_run(model, exported, context, new_tokens, batch)
@@ -320,7 +320,7 @@ def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: i
 @app.command("calibrate-point", hidden=True)
 def calibrate_point(model: str, tokens: int = 16384, source: str = "random", seq_len: int = 512,
                     batch: int = 8) -> None:
-    from kvfold.bench.calibrate import one_point
+    from kvfold_bench.calibrate import one_point
 
     with user_errors():
         result = one_point(model, tokens, source, seq_len, batch)

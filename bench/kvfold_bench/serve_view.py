@@ -64,7 +64,7 @@ def draw(report: dict, path: Path) -> None:
     not run on this build hatched, its capacity only what vLLM allocated). Bottom: generated tokens/s of the
     cache-limited workload, decode tokens/s of the long-context one, and that decode paired (the engines taking
     turns in one process), where measured."""
-    from kvfold.bench.frontier.plot import pyplot
+    from kvfold_bench.frontier.plot import pyplot
 
     plt = pyplot()
     configs = report["configurations"]

@@ -1,1 +1,0 @@
-"""Benchmark commands (`python -m kvfold.bench ...`): each prints JSON measured in that run."""
