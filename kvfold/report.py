@@ -1,5 +1,6 @@
 """Rich renderings of API results (tables, progress). Kept apart so the API returns plain data. The product's
-commands only (calibrate, inspect, export, verify); the benchmarks' tables are in the kvfold-bench package (bench/kvfold_bench/tables.py)."""
+commands only (calibrate, inspect, export, verify); the benchmarks' tables are in the kvfold-bench package
+(bench/kvfold_bench/tables.py)."""
 
 from __future__ import annotations
 

@@ -62,9 +62,7 @@ def frontier(
     png: Annotated[Path | None, typer.Option(help="Draw top-1 ratio vs KV bytes here.")] = None,
 ) -> None:
     """Accuracy vs KV bytes per method (kvfold, ablations, ZACK/FDC, uniform, Palu, ThinK, fp8, kvfold+fp8,
-    kvfold-bits, int8, int4, KIVI, and vLLM's own int8/fp8/int4_per_token_head and turboquant_* caches); by name
-    only, the references kvfold-bits-limit and kvfold-bits-limit+2dB (kvfold-bits' plans with an ideal coder's
-    error)."""
+    kvfold-bits, int8, int4, KIVI, and vLLM's own int8/fp8/int4_per_token_head and turboquant_* caches)."""
     from kvfold_bench.frontier import bench_frontier
     from kvfold_bench.tables import frontier_table
 

@@ -21,8 +21,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvfold_bench.engine_log import root_cause
 from kvfold.errors import KVFoldError
+from kvfold_bench.engine_log import root_cause
 
 __all__ = ["ask", "ask_server", "serve"]
 

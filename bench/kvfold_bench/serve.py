@@ -27,6 +27,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from kvfold.checkpoint.manifest import Manifest
+from kvfold.errors import KVFoldError
+from kvfold.sources.models import resolve_model
 from kvfold_bench.engine_host import run_module
 from kvfold_bench.engine_log import root_cause
 from kvfold_bench.serve_paired import BLOCK, WARMUP
@@ -40,9 +43,6 @@ from kvfold_bench.serve_point import (
     agreement,
     cpu_threads_bind,
 )
-from kvfold.checkpoint.manifest import Manifest
-from kvfold.errors import KVFoldError
-from kvfold.sources.models import resolve_model
 
 __all__ = ["DEFAULT_KV_DTYPES", "KV_DTYPES", "SPEEDS", "bench_serve", "capacity_figures", "layout_capacities",
            "round_figures", "tensor_parallel_figures"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvfold.hooks import patched
 from kvfold_bench.frontier.patches import mapped_projections
 from kvfold_bench.frontier.setup import Setup
-from kvfold.hooks import patched
 
 
 @pytest.fixture(scope="module")

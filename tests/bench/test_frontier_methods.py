@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvfold_bench.frontier.methods import METHODS, get_methods
-from kvfold_bench.frontier.methods.palu import prerope_grams
-from kvfold_bench.frontier.methods.think import channel_masks
-from kvfold_bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import _patch
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
+from kvfold_bench.frontier.methods import METHODS, get_methods
+from kvfold_bench.frontier.methods.palu import prerope_grams
+from kvfold_bench.frontier.methods.think import channel_masks
+from kvfold_bench.frontier.patches import compressed, fp8_roundtrip, key_channel_mask
 from tests.bench.conftest import frontier_logits
 
 ARCH = "LlamaForCausalLM"
@@ -57,8 +57,8 @@ def test_palu_reconstructs_low_rank_keys_and_values_before_rope(setup):
 
 def test_palu_at_full_rank_is_exact(setup):
     grams = prerope_grams(setup.model, setup.adapter, setup.calib_sequences())
-    from kvfold_bench.frontier.methods.palu import _projector
     from kvfold.calib.spectrum import svd_from_gram
+    from kvfold_bench.frontier.methods.palu import _projector
 
     maps = {key: _projector(svd_from_gram(g)[1], g.shape[0], torch.float32) for key, g in grams.items()}
     assert _close(frontier_logits(setup, proj_maps=maps), frontier_logits(setup))
@@ -190,22 +190,6 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     # nearly every dim at 16 bits (float16 storage): the original's logits up to float16 round-off
     assert _close(frontier_logits(setup, cands[0].patches), frontier_logits(setup), 2e-2)
     assert not _close(frontier_logits(setup, cands[1].patches), frontier_logits(setup), 1e-3)
-
-
-def test_the_ideal_coder_references_store_kvfold_bits_plans_at_the_same_bytes_with_less_error(setup):
-    """kvfold-bits-limit(+2dB): kvfold-bits' plans and bytes, the cache through measure/stored.ideal; references,
-    not caches, so only run when named."""
-    from kvfold_bench.frontier.methods import DEFAULT, REFERENCES
-
-    assert set(REFERENCES) <= set(METHODS) and not set(REFERENCES) & set(DEFAULT)
-    (bits,) = replace(METHODS["kvfold-bits"], grid=(3.0,)).candidates(setup)
-    (limit,) = replace(METHODS["kvfold-bits-limit"], grid=(3.0,)).candidates(setup)
-    (above,) = replace(METHODS["kvfold-bits-limit+2dB"], grid=(3.0,)).candidates(setup)
-    assert bits.kv_fraction == limit.kv_fraction == above.kv_fraction
-    full = frontier_logits(setup)
-    err = {name: float((frontier_logits(setup, c.patches) - full).square().mean())
-           for name, c in (("bits", bits), ("limit", limit), ("above", above))}
-    assert err["limit"] < err["above"] < err["bits"], err
 
 
 def test_int_per_token_and_kivi_count_their_scales(setup):

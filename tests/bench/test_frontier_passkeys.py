@@ -4,12 +4,12 @@ drawn the same way for every method (patches.nudged)."""
 
 import torch
 
-from kvfold_bench.frontier.methods.vllm_kv import ROUNDTRIPS
-from kvfold_bench.frontier.patches import nudged, quantized_kv
-from kvfold_bench.frontier.sweep import Point, read_with_passkeys
 from kvfold.hooks import patched
 from kvfold.measure.passkey import passkey_answers
 from kvfold.plan.longrange import judge
+from kvfold_bench.frontier.methods.vllm_kv import ROUNDTRIPS
+from kvfold_bench.frontier.patches import nudged, quantized_kv
+from kvfold_bench.frontier.sweep import Point, read_with_passkeys
 from tests.plan.test_longrange import _setup
 
 

@@ -1,4 +1,4 @@
-"""kvfold's copies of vLLM 0.32's per-token-head KV-cache dtypes (bench/kvfold_bench/frontier/methods/vllm_kv.py) against
+"""kvfold's copies of vLLM 0.32's per-token-head KV-cache dtypes (kvfold_bench/frontier/methods/vllm_kv.py) against
 vLLM's own code: the same cache bytes (codes and float32 scales, bit for bit) from vLLM's write path, the same
 attention from vLLM's read kernels, the same bytes per token as vLLM's page-size code. They fail when a vLLM upgrade
 changes how these dtypes store or read the cache: then update vllm_kv.py to match.

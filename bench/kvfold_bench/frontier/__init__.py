@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvfold_bench.outputs import check_paths, write_outputs
 from kvfold.errors import KVFoldError
 from kvfold.sources.models import resolve_model
 from kvfold.sources.text import resolve_text
+from kvfold_bench.outputs import check_paths, write_outputs
 
 from .methods import get_methods
 from .plot import draw, pyplot

@@ -1,5 +1,6 @@
 """The methods on the frontier, registered by name. Adding one = a file (or a variant line) + a line here
-+ a row in tests/bench/test_frontier_methods.py."""
++ a row in tests/bench/test_frontier_methods.py. Code outside the bench adds its own with `register` (e.g.
+research/frontier_limit.py's references): run only when named."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .turboquant import TurboQuant
 from .uniform import Uniform
 from .vllm_kv import VllmPerTokenHead
 
-__all__ = ["DEFAULT", "METHODS", "PEERS", "Candidate", "Method", "get_methods"]
+__all__ = ["DEFAULT", "METHODS", "PEERS", "Candidate", "Method", "get_methods", "register"]
 
 # Grids: where each method's curve crosses 0.99 on SmolLM2 (GQA and MHA), plus a point or two past it.
 _ALL: list[Method] = [
@@ -42,9 +43,6 @@ _ALL: list[Method] = [
     # the transform-coded cache (issue 13) and the quantized caches a user would pick instead of it
     KVFoldBits(),
     KVFoldBits(name="kvfold-bits-heads", label="kvfold-bits, per-head θ from rounding costs", allocation="sensitivity"),
-    # references, not caches: kvfold-bits' plans and bytes with an ideal coder's error (issue 25, item 4)
-    KVFoldBits(name="kvfold-bits-limit", label="kvfold-bits plans, ideal coder (rate-distortion limit)", limit_db=0.0),
-    KVFoldBits(name="kvfold-bits-limit+2dB", label="kvfold-bits plans, a coder 2 dB above the limit", limit_db=2.0),
     IntPerToken(8),
     IntPerToken(4),
     Kivi(4),
@@ -59,8 +57,7 @@ _ALL: list[Method] = [
     TurboQuant("turboquant_3bit_nc"),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
-REFERENCES = ("kvfold-bits-limit", "kvfold-bits-limit+2dB")  # not caches: only when asked for by name
-DEFAULT = tuple(n for n in METHODS if n not in REFERENCES)
+DEFAULT = tuple(METHODS)  # fixed here: methods registered later run only when named
 # On further models (the MHA variant: GQA vs MHA) kvfold against each peer, without the ablations.
 PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8", "kvfold-bits", "int8", "int4", "kivi4",
          "kivi2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
@@ -68,6 +65,14 @@ PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8", "kvf
 
 
 ALIASES = {"fdc": "zack"}  # the papers' method goes by either paper's name
+
+
+def register(method: Method) -> None:
+    """Add `method` to METHODS under its name, never to DEFAULT or PEERS: it runs when named (`--method NAME`).
+    Registering the same method again does nothing; another method under a taken name is an error."""
+    if METHODS.get(method.name, method) != method:
+        raise ValueError(f"a frontier method named {method.name!r} is already registered")
+    METHODS[method.name] = method
 
 
 def get_methods(names: list[str]) -> list[Method]:

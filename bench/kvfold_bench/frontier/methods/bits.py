@@ -7,18 +7,15 @@ water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: 
 sensitivity allocation (plan/rounding.py, measured once per model: setup.head_scales). Bytes are the real
 per-token row bytes (codes + scales) of every head.
 
-kvfold-bits-limit and kvfold-bits-limit+2dB are references, not caches: the same plans and bytes with the error
-of an ideal coder of their bands (measure/stored.ideal: the rate-distortion limit, or 2 dB above it) instead of
-the band codes' — how far a better coder of the same plan could go (issue 25).
+Another coder of the same plans and bytes is a subclass overriding `coder` (research/frontier_limit.py: an ideal
+coder's error, the references kvfold-bits-limit and kvfold-bits-limit+2dB of issue 25).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvfold.measure.stored import ideal
 from kvfold.plan.bits import V_SCALE, BitRule, plan_bits, theta_for_mean_bits
 from kvfold.plan.targets import bit_patches
 
@@ -35,7 +32,6 @@ class KVFoldBits:
     origin: str | None = None
     grid: tuple[float, ...] = (6.0, 5.0, 4.5, 4.25, 4.0, 3.75, 3.5, 3.0)
     allocation: str = "eq6"  # one θ for every head (export's default), or "sensitivity": per-head θ
-    limit_db: float | None = None  # an ideal coder this many dB above the rate-distortion limit, not the bands
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
@@ -45,6 +41,10 @@ class KVFoldBits:
         for bits in self.grid:
             theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads)  # export's default K/V split
             plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads))
-            seeds = itertools.count()  # each layer side its own noise
-            coder = None if self.limit_db is None else (lambda bands, s=seeds: ideal(bands, self.limit_db, next(s)))
-            yield Candidate(bits, 1.0 - plan.compression, bit_patches(bases, plan, setup.dtype, coder=coder))
+            yield Candidate(bits, 1.0 - plan.compression,
+                            bit_patches(bases, plan, setup.dtype, coder=self.coder()))
+
+    def coder(self) -> Callable[[list], Callable] | None:
+        """One candidate's coder: a layer side's bands -> what its cache gives back (plan/targets.bit_patches);
+        None: the band codes themselves (kvfold_runtime.bands), the real cache."""
+        return None

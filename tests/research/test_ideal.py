@@ -1,4 +1,5 @@
-"""measure/stored.ideal: the rate-distortion limit's error, the reference the bits coder is measured against."""
+"""research/ideal.py: the rate-distortion limit's error, the reference the bits coder is measured against; and
+the bits coder's (measure/stored.banded) distance from that limit."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import math
 
 import torch
 
-from kvfold.measure.stored import banded, ideal
+from kvfold.measure.stored import banded
 from kvfold_runtime.bands import Band
+from research.ideal import ideal
 
 
 def _rows(n: int = 4096, d: int = 32) -> torch.Tensor:
@@ -45,7 +47,7 @@ def test_the_ideal_coder_stores_16_bit_bands_as_float16_and_drops_dims_no_band_h
 
 def test_the_band_coder_is_a_few_db_above_the_limit_on_gaussian_rows():
     """What a better coder could gain: kvfold's fitted uniform codes sit about 3 dB above the limit on these rows
-    (2.9-3.0 dB at 3-5 bits; 3.15-3.26 dB on SmolLM2's real rows, scripts/coder_bound.py). For comparison, the
+    (2.9-3.0 dB at 3-5 bits; 3.15-3.26 dB on SmolLM2's real rows, research/coder_bound.py). For comparison, the
     best fixed-rate scalar code of a Gaussian of known variance (Lloyd-Max) is 3.9 dB above it at 4 bits; the
     per-row scale, side information, lets these codes do better than that."""
     x = _rows()

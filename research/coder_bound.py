@@ -7,20 +7,22 @@ limit long vector quantizers approach (trellis-coded or lattice quantizers come 
 a fixed-rate scalar quantizer stays above it (4 bits on a Gaussian of known variance: uniform 4.7 dB, Lloyd-Max
 3.9 dB; a scale per row, side information, brings kvfold's uniform codes to about 3 dB).
 
-This script scores one bits plan (the frontier's: `bench/frontier/methods/bits.py`, aware bases, V_SCALE,
-the export's band mixing) at a chosen fraction of fp16's bytes with two kinds of cache on the frontier's own
-evaluation (`bench/frontier/setup.Setup`: wiki:eval + pydoc:eval, 512-token windows):
+This script scores one bits plan (the frontier's: `kvfold_bench/frontier/methods/bits.py`, aware bases,
+V_SCALE, the export's band mixing) at a chosen fraction of fp16's bytes with two kinds of cache on the frontier's
+own evaluation (`kvfold_bench.frontier.setup.Setup`: wiki:eval + pydoc:eval, 512-token windows):
 
 - "uniform": today's band coder (kvfold_runtime.band_roundtrip), and its measured squared error against the
   limit's, in dB;
-- "limit+G": the ideal coder's error, G dB above the limit (kvfold/measure/stored.ideal: each band of each token
+- "limit+G": the ideal coder's error, G dB above the limit (research/ideal.py: each band of each token
   row through the Gaussian test channel of its own energy). The plan's bytes stay as they are (scales counted),
   so the comparison is at equal bytes.
 
 With --passkey N it also runs the export's pass-key check (plan/longrange.judge: 10 prompts of N tokens, three
 draws of the cache's noise: nudged roundings for the real coder, three noise seeds for the channel).
 
-    .venv/bin/python scripts/coder_bound.py --bytes 0.2813 --gap 0 --gap 1.53 --gap 3 --json out.json
+    .venv/bin/python -m research.coder_bound --bytes 0.2813 --gap 0 --gap 1.53 --gap 3 -o out.json
+
+Each row is printed as it is measured; the JSON (all rows) goes where -o/--json says.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from pathlib import Path
 
 import torch
 
-from kvfold_bench.frontier.setup import Setup
-from kvfold_bench.frontier.sweep import Point, meets
-from kvfold.measure.stored import banded, ideal
+from kvfold.measure.stored import banded
 from kvfold.plan.bits import V_SCALE, BitRule, plan_bits
 from kvfold.plan.longrange import NUDGES, judge
 from kvfold.plan.targets import bit_patches
+from kvfold_bench.frontier.setup import Setup
+from kvfold_bench.frontier.sweep import Point, meets
+from research.ideal import ideal
 
 
 def plan_at(bases, fraction: float):
@@ -96,7 +99,7 @@ def summary(p: Point, target: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m research.coder_bound", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--bytes", type=float, action="append", required=True, help="fraction of fp16's KV bytes")
     ap.add_argument("--gap", type=float, action="append", default=[], help="dB above the limit (repeatable)")
@@ -104,7 +107,7 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=12288)
     ap.add_argument("--passkey", type=int, default=0, help="prompt length of the pass-key check (0: none)")
     ap.add_argument("--target", type=float, default=0.99)
-    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("-o", "--json", type=Path, required=True, help="write the JSON here")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.perf_counter()
