@@ -15,18 +15,11 @@ from kvfold.adapters import Adapter
 from kvfold.hooks import AttentionPatch
 from kvfold.measure.stored import banded, compressed
 
-__all__ = ["FP8_MAX", "ProjMap", "banded", "compressed", "fp8_roundtrip", "key_channel_mask", "mapped_projections",
+__all__ = ["FP8_MAX", "ProjMap", "banded", "compressed", "key_channel_mask", "mapped_projections",
            "nudged", "quantized_kv"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ProjMap = Callable[[torch.Tensor], torch.Tensor]  # a projection's output [B, T, H_kv*d] -> the same
-
-
-def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """x stored as float8 e4m3 and read back, with one dynamic scale for the whole tensor (amax/448):
-    vLLM's fp8 KV cache keeps one scale per layer for keys and one for values."""
-    scale = x.abs().amax().float().clamp_min(1e-12) / FP8_MAX
-    return ((x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale).to(x.dtype)
 
 
 def quantized_kv(quantize: Callable[[torch.Tensor], torch.Tensor]) -> AttentionPatch:

@@ -1,7 +1,8 @@
 """vLLM 0.32's per-token-head KV-cache dtypes (`--kv-cache-dtype int8_per_token_head` etc.), quantized bit for bit
-as vLLM's Triton attention backend stores them, the only backend that takes them. Each (token, KV head) row of
-keys (post-RoPE) and values gets its own float32 scale, computed when the token is written; every cached token,
-the current ones included, is read back quantized. File names below are under vllm/ of vLLM 0.32.0.
+as vLLM's Triton attention backend stores them, the only backend that takes them, and its plain fp8 cache (the last
+item below). Each (token, KV head) row of keys (post-RoPE) and values gets its own float32 scale, computed when the
+token is written; every cached token, the current ones included, is read back quantized. File names below are
+under vllm/ of vLLM 0.32.0 (csrc/: its repository's C++ and CUDA sources, which the wheel does not hold).
 
 - int8_per_token_head: int8 codes, s = max(amax/127, 1e-6), code = x·(1/s) ± 0.5 clamped to [-128, 127] and
   truncated by the int8 store (round half away from zero). Read: code · s (the kernel casts the code to q's dtype
@@ -23,6 +24,25 @@ the current ones included, is read back quantized. File names below are under vl
   vLLM keeps K and V in the rotated basis and rotates q instead (score scale ÷ b), inverse-rotating the output
   (÷ b); the roundtrip here inverse-rotates the dequantized K and V, which is the same attention up to round-off.
   Rows whose rotated range does not contain 0 clip (z is clamped), as they do in vLLM.
+- fp8 (`--kv-cache-dtype fp8`, KVQuantMode.FP8_PER_TENSOR): one float32 scale per layer for keys and one for
+  values, fixed when the model loads. A checkpoint without calibrated k/v scales (SmolLM2, most) keeps vLLM's
+  default 1.0: model_executor/layers/attention/attention.py set_default_quant_scales (from _init_kv_cache_quant);
+  with a quantization config and no scales in the checkpoint, model_executor/layers/quantization/kv_cache.py
+  BaseKVCacheMethod.process_weights_after_loading sets 1.0 too; 0.32 has no run-time scale calculation. Write:
+  code = e4m3fn(float32(x) / scale), rounded to nearest even and saturated to ±448. On CUDA the FlashAttention and
+  FlashInfer backends write with the C++ reshape_and_cache_flash (csrc/cache_kernels.cu → fp8::scaled_convert,
+  csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh: __nv_cvt_float_to_fp8(float(x) / scale, __NV_SATFINITE,
+  __NV_E4M3)); the Triton backend (v1/attention/backends/triton_attn.py do_kv_cache_update) with
+  reshape_and_cache_kernel_flash (v1/attention/ops/triton_reshape_and_cache_flash.py), which divides by the loaded
+  scale in float32 and lets tl.store cast (on SM89+, which it requires, a round-to-nearest-even, saturating
+  convert). Read: code · scale in the query's dtype (v1/attention/ops/triton_unified_attention.py _cast_kv_tile,
+  KV_QUANT_MODE 1). Every e4m3 value is exact in float16, bfloat16 and float32, so at scale 1.0 the roundtrip is
+  the code itself in x's dtype. One byte a number and no scales in the cache: 0.500 of float16's bytes.
+  Not modelled: on CUDA the Triton and FlashAttention backends also quantize the query to e4m3 at q_scale 1.0
+  (attention.py Attention.__init__ query_quant, where impl.supports_quant_query_input: triton_attn.py
+  TritonAttentionImpl is_cuda(), backends/flash_attn.py all but SM90 FA4), and the Triton kernel then rounds P·256
+  to e4m3 before P·V (triton_unified_attention.py, p_scale). vLLM's CPU path, and FlashInfer below SM100, keep q
+  and P in the model's dtype: what this roundtrip gives.
 
 Layout and bytes (v1/attention/backends/triton_attn.py TritonAttentionBackend.customize_spec, _ensure_scale_caches;
 v1/kv_cache_interface.py AttentionSpec.page_size_bytes; code dtypes in utils/torch_utils.py): per KV head and token,
@@ -53,8 +73,11 @@ from ..patches import FP8_MAX, quantized_kv
 from .base import Candidate
 
 __all__ = [
+    "DEFAULT_KV_SCALE",
     "DTYPES",
     "VllmPerTokenHead",
+    "fp8_per_tensor_encode",
+    "fp8_per_tensor_roundtrip",
     "fp8_per_token_head_encode",
     "fp8_per_token_head_roundtrip",
     "int4_per_token_head_decode",
@@ -179,6 +202,23 @@ def int8_per_token_head_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_per_token_head_roundtrip(x: torch.Tensor) -> torch.Tensor:
     return per_token_head_decode(*fp8_per_token_head_encode(x)).to(x.dtype)
+
+
+# ---- fp8: one scale per layer, vLLM's default 1.0 ----------------------------------------------------------------
+
+DEFAULT_KV_SCALE = 1.0  # set_default_quant_scales: _k_scale = _v_scale = 1.0 unless the checkpoint has scales
+
+
+def fp8_per_tensor_encode(x: torch.Tensor, scale: float = DEFAULT_KV_SCALE) -> torch.Tensor:
+    """x [...] in the model's dtype → float8_e4m3fn codes [...] as vLLM writes them: float32(x) / scale, rounded to
+    nearest even, saturated to ±448 (__NV_SATFINITE). torch's cast rounds the same but would make |x| ≥ 464 NaN:
+    hence the clamp first."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_per_tensor_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H_kv, T, d] → what vLLM's fp8 cache at its default scale gives back: code · 1.0, in x's dtype."""
+    return (fp8_per_tensor_encode(x).float() * DEFAULT_KV_SCALE).to(x.dtype)
 
 
 # ---- bytes and the frontier methods ------------------------------------------------------------------------------
