@@ -12,7 +12,8 @@ import typer
 from rich.logging import RichHandler
 
 from kvfold.console import err, out, user_errors
-from kvfold.plan.recipe import ALLOCATIONS, DEFAULT_METRIC, V_SCALES, Recipe, RecipeOverrides
+from kvfold.plan.formats import FORMATS
+from kvfold.plan.recipe import DEFAULT_METRIC, Recipe, RecipeOverrides
 
 # kvfold.api (torch, transformers) and kvfold.report are imported inside each command, where the work starts,
 # so that `kvfold --help` and `kvfold CMD --help` answer at once (kvfold.plan.recipe is torch-free).
@@ -28,6 +29,13 @@ def _default(option: str) -> str:
     """An export option's default as its help shows it, e.g. "[16384]": read from the Recipe, where it is defined."""
     value = Recipe.model_fields[option].default
     return f"[{value:g}]" if isinstance(value, float) else f"[{value}]"
+
+
+def _by_format(option: str) -> str:
+    """A default each cache format sets (plan/formats), e.g. "[rank: 1; bits: 32]"."""
+    values = {name: getattr(fmt, option) for name, fmt in FORMATS.items()}
+    return "[" + "; ".join(f"{name}: {v:g}" if isinstance(v, float) else f"{name}: {v}"
+                           for name, v in values.items()) + "]"
 
 
 @app.callback()
@@ -89,18 +97,17 @@ def export(
                                                  f"{_default('multiple')}.")] = None,
     min_rank: Annotated[int | None, typer.Option(help=f"Smallest rank of any head {_default('min_rank')}.")] = None,
     v_scale: Annotated[float | None, typer.Option(help="Removal rate of V relative to K "
-                                                  f"[{V_SCALES['rank']:g}; bits: {V_SCALES['bits']:g}].")] = None,
+                                                  f"{_by_format('v_scale')}.")] = None,
     allocation: Annotated[str | None, typer.Option(
         help="eq6 (one rate, the papers') or sensitivity (rates from measured costs: per layer for ranks, per KV "
-             f"head's rounding for bits) [{ALLOCATIONS['rank']}; bits: {ALLOCATIONS['bits']}].")] = None,
+             f"head's rounding for bits) {_by_format('allocation')}.")] = None,
     margin: Annotated[float | None, typer.Option(help="Check every bound MARGIN standard errors on the "
                                                  f"unfavourable side {_default('margin')}.")] = None,
     search_steps: Annotated[int | None, typer.Option(help="Bisection steps of the accuracy search, one candidate "
                                                      "scored each: fewer is quicker and may keep a milder point "
                                                      f"{_default('search_steps')}.")] = None,
-    format: Annotated[str | None, typer.Option(help="rank (k', v' at the chosen ranks) or bits (each kept dim "
-                                               "stored at 2–16 bits; transformers and vLLM) "
-                                               f"{_default('format')}.")] = None,
+    format: Annotated[str | None, typer.Option(help=" or ".join(f"{f.name} ({f.summary})" for f in FORMATS.values())
+                                               + f" {_default('format')}.")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,

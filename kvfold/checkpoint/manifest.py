@@ -16,6 +16,7 @@ from kvfold.calib.artifact import CalibHeader
 from kvfold.errors import KVFoldError
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportPlan, PreviousExport
+from kvfold.plan.formats import get_format
 from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankRule
 from kvfold.plan.rounding import HeadScales
@@ -41,7 +42,8 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
 # (one-byte log8; before, float16). 1.7: `tensor_parallel`, the tensor-parallel size the widths were balanced for.
 # 1.8: the keys' shift (`kvfold_k_shift` in extra_tensors; config.json's kvfold block says `key_shift`). 1.9: a bits
-# export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`).
+# export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`). Without a version of its own
+# (no runtime reads it, and no rank or bits export writes it): `format`, the cache format (`Manifest.format`).
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
 # (kvfold_runtime.format): kvfold writes what every runtime reads.
@@ -145,6 +147,11 @@ class Manifest(_Frozen):
     v_bits: list[list[list[int]]] | None = None
     # bits format: each band's per-token scale format (kvfold_runtime.bands.SCALES); before 1.6 always float16
     band_scale: str = LEGACY_BAND_SCALE
+    # The cache format that planned the export (plan/formats), where its checkpoint layout does not name it: the
+    # runtime serves a checkpoint by its layout (rank or bits, `config_block().format`) and reads no format name, so
+    # the rank and bits formats write none and their manifests stay as they always were; a format of its own (one
+    # more class in plan/formats) writing one of those layouts records its name here. None: the layout's format.
+    format: str | None = None
     chosen: Point  # plan/point.py
     curve: list[Point]
     extra_tensors: list[str]  # post-RoPE projections (RoPE models): names in the safetensors files
@@ -169,7 +176,7 @@ class Manifest(_Frozen):
             passkey=plan.passkey, head_dim=plan.layout.head_dim, num_heads=plan.layout.num_heads,
             num_kv_heads=plan.layout.num_kv_heads, d_k=plan.ranks.d_k, d_v=plan.ranks.d_v, k_bits=k_bits,
             v_bits=v_bits, band_scale=bits.scale if bits else LEGACY_BAND_SCALE, chosen=plan.chosen,
-            curve=list(plan.curve),
+            curve=list(plan.curve), format=get_format(plan.format).manifest_name if plan.format else None,
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST, K_SHIFT))),
         )
 
@@ -180,7 +187,7 @@ class Manifest(_Frozen):
             path=Path(path), weights_sha256=self.source.weights_sha256, stats_sha256=self.calibration.stats_sha256,
             method=self.method, rounding=(self.rounding_multiple, self.min_rank),
             tensor_parallel=self.tensor_parallel, allocation=self.allocation,
-            format="bits" if bits else "rank", band_scale=self.band_scale if bits else None,
+            format=self.format or self.config_block().format, band_scale=self.band_scale if bits else None,
             search_dtype=self.search_dtype, positions=self.positions, scales=self.layer_scales(),
             curve=tuple(self.curve), passkey=self.passkey,
             baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl))
@@ -206,7 +213,9 @@ class Manifest(_Frozen):
         return None if self.target_level is None else Target(self.metric, self.target_level, self.margin)
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(), indent=2, sort_keys=True)
+        # no `format` key where the layout names the format: those files are byte for byte what they always were
+        return json.dumps(self.model_dump(exclude={"format"} if self.format is None else None), indent=2,
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str = MANIFEST) -> Manifest:

@@ -37,8 +37,8 @@ from functools import cache
 import torch
 
 from kvfold.factors import LayerBasis, LayerFactors
+from kvfold.plan.formats.bits import V_SCALE  # θ_v / θ_k by default (measured there)
 from kvfold.plan.ranks import RankPlan, factors_for
-from kvfold.plan.recipe import V_SCALE  # θ_v / θ_k by default (measured there)
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
 __all__ = ["KEY_MIN_BITS", "SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "bits_basis",

@@ -45,8 +45,8 @@ class PreviousExport:
     rounding: tuple[int, int]  # (multiple, min_rank)
     tensor_parallel: int  # the tensor-parallel size its widths were balanced for (1: none)
     allocation: str
-    format: str  # rank or bits
-    band_scale: str | None  # bits format: the bands' scale format; None: rank format
+    format: str  # its cache format's name (plan/formats)
+    band_scale: str | None  # its bands' scale format; None: no bands (rank layout)
     search_dtype: str
     positions: int | None
     scales: LayerScales | HeadScales | None
@@ -88,6 +88,8 @@ class ExportPlan:
     curve: tuple[Point, ...]
     baseline: Baseline
     passkey: dict | None  # plan/longrange.py's record; None: not checked
+    # the cache format that planned it (plan/formats); None: the one its layout names (rank or bits)
+    format: str | None = None
 
     @property
     def rounding(self) -> tuple[int, int]:

@@ -20,18 +20,19 @@ from kvfold.factors.positions import fitted_statistics, with_key_shift
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import Evaluator
 from kvfold.measure.passkey import passkey_length, passkey_prompts
-from kvfold.plan.bits import BitRule, bit_factors, plan_bits
+from kvfold.plan.bits import BitRule
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportInputs, ExportPlan
-from kvfold.plan.longrange import NUDGES, keep_passkeys
+from kvfold.plan.formats import CacheFormat, get_format
+from kvfold.plan.longrange import keep_passkeys
 from kvfold.plan.point import Point
-from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
+from kvfold.plan.ranks import RankRule
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.reuse import context_positions, pick
-from kvfold.plan.rounding import HeadScales, measure_head_scales
+from kvfold.plan.rounding import HeadScales
 from kvfold.plan.search import best_point
-from kvfold.plan.sensitivity import LayerScales, measure_scales
-from kvfold.plan.targets import bit_patches, for_accuracy, for_accuracy_bits, for_compression, measure
+from kvfold.plan.sensitivity import LayerScales
+from kvfold.plan.targets import for_compression
 from kvfold.sources.models import DTYPES, ModelRef, load_model, source_dtype
 from kvfold.sources.tokenizer import load_tokenizer
 
@@ -54,8 +55,10 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
 
     The model runs in recipe.dtype on `device`; the plan's model is in the source checkpoint's dtype. With a
     previous export (inputs.previous), the point is picked from its recorded curve and nothing is evaluated.
-    `log` gets one plain line per stage and per scored candidate."""
+    `log` gets one plain line per stage and per scored candidate. What differs between cache formats, the
+    recipe's format object decides (plan/formats)."""
     ref, recipe, previous, identity = inputs.ref, inputs.recipe, inputs.previous, inputs.stats.header.model
+    fmt = get_format(recipe.format)
     target = recipe.target()
     net = load_model(ref, recipe.dtype, device)
     method = get_method(recipe.method)
@@ -65,39 +68,35 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
     bases = with_key_shift(bases, fitted, net, ref.adapter.rope)
     windows = None if previous else _windows(inputs, target)
     if previous is None and recipe.allocation == "sensitivity":
-        each = "KV head's rounding" if recipe.format == "bits" else "layer's"
-        log(f"measuring each {each} sensitivity on {recipe.sensitivity_tokens} tokens")
-    scales = _layer_scales(inputs, bases, net, windows, log)
+        log(f"measuring each {fmt.sensitivity_of} sensitivity on {recipe.sensitivity_tokens} tokens")
+    scales = _layer_scales(inputs, fmt, bases, net, windows, log)
     rule = partial(_rule, recipe, scales)
     if previous is not None:
         best, passkey = pick(previous.curve, recipe, target, previous.passkey)
         found = _Found(best, previous.curve, previous.baseline, passkey, net)
     else:
-        found = _search(inputs, net, bases, windows, target, rule, device, log)
+        found = _search(inputs, fmt, net, bases, windows, target, rule, device, log)
     chosen = rule(found.best.r_k, found.best.r_v)
-    bits = plan_bits(bases, chosen) if isinstance(chosen, BitRule) else None
-    ranks = bits.ranks() if bits else plan_ranks(bases, chosen)
+    ranks, bits, factors = fmt.export_parts(bases, chosen)
     return ExportPlan(
         model=_in_source_dtype(found.model, ref, device),
         layout=HeadLayout(identity.num_layers, identity.num_heads, identity.num_kv_heads, identity.head_dim),
         method=recipe.method, metric=recipe.metric, target=target, ratio=recipe.ratio, allocation=recipe.allocation,
         search_dtype=recipe.dtype, positions=positions, scales=scales, rule=chosen, ranks=ranks, bits=bits,
-        factors=tuple(bit_factors(bases, bits) if bits else factors_for(bases, ranks)),
-        chosen=found.best, curve=found.curve, baseline=found.baseline, passkey=found.passkey)
+        factors=tuple(factors), chosen=found.best, curve=found.curve, baseline=found.baseline, passkey=found.passkey,
+        format=fmt.name)
 
 
 def _rule(recipe: Recipe, scales: LayerScales | HeadScales | None, r: float, r_v: float | None = None
           ) -> RankRule | BitRule:
-    """The searched family's member at knob r (r_v = v_scale·r unless given): a rank rule, or for the bits format
-    a bit rule whose knob is the water-filling's θ (plan/bits.py)."""
+    """The searched family's member at knob r (r_v = v_scale·r unless given), as the recipe's format makes it: a
+    rank rule, or for the bits format a bit rule whose knob is the water-filling's θ (plan/bits.py)."""
     r_v = recipe.v_scale * r if r_v is None else r_v
     if isinstance(scales, HeadScales):  # bits, sensitivity (plan/rounding.py)
         multipliers = dict(head_k=scales.k, head_v=scales.v)
     else:  # per layer: the rank format's sensitivity, or a bits export's before schema 1.9 (a reused curve)
         multipliers = dict(layer_k=scales.k if scales else (), layer_v=scales.v if scales else ())
-    if recipe.format == "bits":
-        return BitRule(theta_k=r, theta_v=r_v, **multipliers)
-    return RankRule(r_k=r, r_v=r_v, multiple=recipe.multiple, min_rank=recipe.min_rank, tp=recipe.tp, **multipliers)
+    return get_format(recipe.format).rule(recipe, r, r_v, multipliers)
 
 
 def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:
@@ -112,8 +111,8 @@ def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:
     return windows
 
 
-def _layer_scales(inputs: ExportInputs, bases: list[LayerBasis], net: nn.Module, windows: Sequences | None,
-                   log: Log) -> LayerScales | HeadScales | None:
+def _layer_scales(inputs: ExportInputs, fmt: CacheFormat, bases: list[LayerBasis], net: nn.Module,
+                  windows: Sequences | None, log: Log) -> LayerScales | HeadScales | None:
     """Per-layer rate multipliers (rank format: plan/sensitivity.py) or per-head θ multipliers (bits format:
     plan/rounding.py): recorded in a previous export, measured now, or none (eq6)."""
     recipe = inputs.recipe
@@ -122,15 +121,12 @@ def _layer_scales(inputs: ExportInputs, bases: list[LayerBasis], net: nn.Module,
     if inputs.previous is not None:
         return inputs.previous.scales
     n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
-    if recipe.format == "bits":  # KL per unit of rounding distortion, per KV head
-        probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True)
-        return measure_head_scales(bases, probe, recipe.v_scale, progress=log)
-    probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True, compare=False)
-    return measure_scales(bases, probe, recipe.min_rank, progress=log)
+    probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True, compare=fmt.sensitivity_compares)
+    return fmt.sensitivity(bases, probe, recipe, log)
 
 
-def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windows: Sequences, target: Target | None,
-            rule: Rule, device: str, log: Log) -> _Found:
+def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], windows: Sequences,
+            target: Target | None, rule: Rule, device: str, log: Log) -> _Found:
     """Score the original, search for the target (or score the one point of a compression target), then keep
     the chosen point only if it retrieves the original's pass keys (plan/longrange.py)."""
     recipe = inputs.recipe
@@ -139,7 +135,7 @@ def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windo
     base = evaluator.baseline
     baseline = Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1, ppl=base.ppl)
     if target is None:
-        best, curve = for_compression(bases, evaluator, recipe.ratio, rule)
+        best, curve = for_compression(fmt, bases, evaluator, recipe.ratio, rule)
         return _Found(best, tuple(curve), baseline, None, net)
     log(f"searching for {target.describe()}")
     started = [time.monotonic()]
@@ -148,8 +144,7 @@ def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windo
         log(f"candidate {p.describe(recipe.eval_text)} ({time.monotonic() - started[0]:.0f} s)")
         started[0] = time.monotonic()
 
-    search = for_accuracy_bits if recipe.format == "bits" else for_accuracy
-    best, curve = search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored)
+    best, curve = fmt.search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored)
     if not recipe.passkey:
         return _Found(best, tuple(curve), baseline, None, net)
     # Checked in the checkpoint's own dtype, as it will be served and verified: a key at the edge can flip
@@ -158,15 +153,11 @@ def _search(inputs: ExportInputs, net: nn.Module, bases: list[LayerBasis], windo
     like = next(net.parameters())
 
     def patches_for(p: Point) -> list[dict]:
-        chosen = rule(p.r_k, p.r_v)
-        if isinstance(chosen, BitRule):  # three roundings of the cache (plan/longrange.py)
-            plan = plan_bits(bases, chosen)
-            return [bit_patches(bases, plan, like, nudge) for nudge in NUDGES]
-        return [evaluator.patches(factors_for(bases, plan_ranks(bases, chosen)), like)]
+        return fmt.passkey_patches(bases, evaluator, rule(p.r_k, p.r_v), like)
 
     def between(a: Point, b: Point) -> Point:  # scored as the search scores
         started[0] = time.monotonic()  # its own time, not the pass-key checks before it
-        point = measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)))
+        point = fmt.measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)))
         scored(point)
         return point
 

@@ -13,26 +13,15 @@ from pathlib import Path
 from typing import Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from kvfold.errors import KVFoldError
 from kvfold.plan.criteria import Target
+from kvfold.plan.formats import DEFAULT_FORMAT, FORMATS, get_format
 
-__all__ = ["ALLOCATIONS", "DEFAULT_METRIC", "SENSITIVITY_TOKENS", "V_SCALE", "V_SCALES", "Recipe", "RecipeOverrides",
-           "load_recipe"]
+__all__ = ["DEFAULT_METRIC", "Recipe", "RecipeOverrides", "load_recipe"]
 
 DEFAULT_METRIC = "joint"  # with --max-kl: kl
-# θ_v = V_SCALE · θ_k by default in the bits format (plan/bits.py): the proxy there underprices keys' rounding error
-# (it passes through the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2
-# (2026-11-25, 4,096 wiki:eval tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio
-# 1.075, KL 0.084; 4 → 0.991, 1.047, 0.043; 16 → 0.984, 1.032, 0.030; 64 → 0.997, 1.033, 0.025 (keys 5.1 bits,
-# values 3.9). At 0.284: V_SCALE 64 → KL 0.074 (1: 0.157), 256 → 0.106. Measured again once values were priced by
-# their own variance (plan/bits.py; 2026-11-25, 4,096 tokens of wiki:eval+pydoc:eval, 0.2775 of fp16's bytes, no layer
-# multipliers): V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
-V_SCALE = 32.0
-V_SCALES = {"rank": 1.0, "bits": V_SCALE}  # the default v_scale of each format
-ALLOCATIONS = {"rank": "eq6", "bits": "eq6"}  # the default allocation of each format (Recipe.allocation)
-SENSITIVITY_TOKENS = {"rank": 4096, "bits": 2048}
 
 
 class Recipe(BaseModel):
@@ -50,8 +39,8 @@ class Recipe(BaseModel):
     eval_tokens: int = Field(default=16384, ge=1)  # ±0.4% standard error on SmolLM2 top-1 ratio
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
-    # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's V_SCALES (bits:
-    # keys need more bits than one θ gives them)
+    # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's (plan/formats;
+    # bits: keys need more bits than one θ gives them)
     v_scale: float = Field(default=None, gt=0.0)  # type: ignore[assignment]  # set below
     # eq6: one r (bits: one θ) for every head, as in the papers. sensitivity: multipliers measured once per export on
     # the first sensitivity_tokens of eval_text. Rank format: per layer, from the NLL cost of removing dims
@@ -59,9 +48,9 @@ class Recipe(BaseModel):
     # SmolLM2's 0.99 export kept p = 0.0201 with eq6 and 0.0111 with sensitivity (README "Long context"). Bits
     # format: per KV head, from the KL cost of rounding (plan/rounding.py): KL −25% at equal bytes, but SmolLM2's
     # 0.99 export with it (0.295 of fp16's bytes, 2026-11-28) lost 1 of 10 pass keys in the runtime that its
-    # simulated check kept. So eq6 is both formats' default (None: the format's default).
+    # simulated check kept. So eq6 is both formats' default (None: the format's default, plan/formats).
     allocation: Literal["sensitivity", "eq6"] = None  # type: ignore[assignment]  # set below
-    # rank: 4,096; bits: 2,048 (its probes are per KV head: 2 × layers × KV heads of them)
+    # None: the format's (rank: 4,096; bits: 2,048, its probes are per KV head: 2 × layers × KV heads of them)
     sensitivity_tokens: int = Field(default=None, ge=1)  # type: ignore[assignment]  # set below
     # Every bound of the target is checked `margin` paired standard errors on the unfavourable side: a
     # lower confidence bound instead of the point estimate (1.0 ≈ 84% one-sided; 0 = the plain
@@ -74,8 +63,9 @@ class Recipe(BaseModel):
     search_steps: int = Field(default=8, ge=1, le=32)
     # rank: the cache stores k', v' at the chosen ranks in the model's dtype. bits: each kept dim in a band of
     # 2–16 bits with per-token scales (plan/bits.py, kvfold_runtime.bands); ranks follow from the bits, so
-    # multiple and min_rank do not apply. Served by the transformers runtime and the vLLM plugin.
-    format: Literal["rank", "bits"] = "rank"
+    # multiple and min_rank do not apply. Served by the transformers runtime and the vLLM plugin. A name in
+    # plan/formats.FORMATS, whose class decides everything that differs between formats.
+    format: str = DEFAULT_FORMAT
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).
@@ -99,11 +89,19 @@ class Recipe(BaseModel):
         if isinstance(data, dict) and data.get("metric") is None:
             data = {**data, "metric": "kl" if data.get("max_kl") is not None else DEFAULT_METRIC}
         if isinstance(data, dict):
-            fmt = "bits" if data.get("format") == "bits" else "rank"
-            defaults = {"v_scale": V_SCALES[fmt], "allocation": ALLOCATIONS[fmt],
-                        "sensitivity_tokens": SENSITIVITY_TOKENS[fmt]}
+            # an unknown format takes the default's, so that its own error (_known_format) is the one reported
+            name = data.get("format")
+            fmt = FORMATS.get(name, FORMATS[DEFAULT_FORMAT]) if isinstance(name, str) else FORMATS[DEFAULT_FORMAT]
+            defaults = {"v_scale": fmt.v_scale, "allocation": fmt.allocation,
+                        "sensitivity_tokens": fmt.sensitivity_tokens}
             data = {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
         return data
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        get_format(name)
+        return name
 
     @model_validator(mode="after")
     def _one_target(self) -> Recipe:
@@ -113,11 +111,7 @@ class Recipe(BaseModel):
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
         if 0 < self.passkey < 256:
             raise ValueError("passkey must be 0 (skip) or at least 256 tokens")
-        if self.format == "bits" and self.tp > 1:
-            raise ValueError("--tp balances the rank format's widths; a bits export's band rows are not balanced yet "
-                             "(serve it with tensor_parallel_size=1, or export --format rank --tp N)")
-        if self.format == "bits" and self.ratio is not None:
-            raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
+        get_format(self.format).check(self)  # what this format refuses (the bits format: --tp, --ratio)
         return self
 
     def target(self) -> Target | None:
@@ -128,8 +122,9 @@ class Recipe(BaseModel):
 
     @property
     def rounding(self) -> tuple[int, int]:
-        """(multiple, min_rank) the ranks are rounded with; the bits format's ranks follow from its bits: (1, 0)."""
-        return (1, 0) if self.format == "bits" else (self.multiple, self.min_rank)
+        """(multiple, min_rank) the ranks are rounded with, as the format rounds them (the bits format's ranks follow
+        from its bits: (1, 0))."""
+        return get_format(self.format).rounding(self)
 
 
 def _as_given(annotation):

@@ -9,9 +9,9 @@ from torch import nn
 
 from kvfold.calib.artifact import CalibStats
 from kvfold.errors import KVFoldError
-from kvfold.plan.bits import SCALE
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import ExportInputs, PreviousExport
+from kvfold.plan.formats import get_format
 from kvfold.plan.point import Point
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.search import best_point
@@ -49,7 +49,7 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         ("rank allocation", prev.allocation, recipe.allocation),
         ("cache format", prev.format, recipe.format),
         # bits exports before schema 1.6 stored float16 scales and did not mix their bands
-        ("band scale format", prev.band_scale, SCALE if recipe.format == "bits" else None),
+        ("band scale format", prev.band_scale, get_format(recipe.format).band_scale),
         ("--dtype", prev.search_dtype, recipe.dtype),
     ]
     for what, theirs, ours in checks:

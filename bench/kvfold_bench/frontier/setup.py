@@ -20,7 +20,8 @@ from kvfold.measure.evaluate import Evaluator, Reference, score_model
 from kvfold.measure.metrics import Metrics
 from kvfold.measure.passkey import Answers, passkey_answers, passkey_prompts, passkey_summary
 from kvfold.plan.bits import V_SCALE
-from kvfold.plan.recipe import SENSITIVITY_TOKENS, Recipe
+from kvfold.plan.formats import get_format
+from kvfold.plan.recipe import Recipe
 from kvfold.plan.rounding import HeadScales, measure_head_scales
 from kvfold.plan.sensitivity import LayerScales, measure_scales
 from kvfold.sources.models import ModelRef, load_model, resolve_model
@@ -158,8 +159,8 @@ class Setup:
         many tokens of export's default eval text as export measures them on (dev splits, never the scored text)."""
         def build():
             text = Recipe.model_fields["eval_text"].default
-            probe = text_sequences(self.tokenizer, resolve_text(text), SENSITIVITY_TOKENS["bits"], self.seq_len,
-                                   seed=0)
+            probe = text_sequences(self.tokenizer, resolve_text(text), get_format("bits").sensitivity_tokens,
+                                   self.seq_len, seed=0)
             evaluator = Evaluator(self.model, self.adapter, probe, replay=True)
             return measure_head_scales(self.bases("aware", "text"), evaluator, V_SCALE)
 

@@ -1,0 +1,94 @@
+"""The bits format: every rotated dim at its own bit width, in bands of 2–16 bits with per-token scales
+(plan/bits.py, kvfold_runtime.bands); the ranks follow from the bits (a dim at 0 bits is dropped).
+
+The search's knob is the water-filling's θ (θ_v = v_scale · θ_k); --allocation sensitivity scales it per KV head
+by the KL cost of rounding each head (plan/rounding.py). Torch-free at import (formats/base.py says why): each
+method imports what it runs.
+"""
+
+from __future__ import annotations
+
+from kvfold.plan.formats.base import CacheFormat
+
+__all__ = ["V_SCALE", "BitsFormat"]
+
+# θ_v = V_SCALE · θ_k by default (plan/bits.py): the proxy there underprices keys' rounding error (it passes through
+# the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096
+# wiki:eval tokens, 0.315 of fp16's bytes): V_SCALE 1 → top-1 ratio 0.973, perplexity ratio 1.075, KL 0.084; 4 →
+# 0.991, 1.047, 0.043; 16 → 0.984, 1.032, 0.030; 64 → 0.997, 1.033, 0.025 (keys 5.1 bits, values 3.9). At 0.284:
+# V_SCALE 64 → KL 0.074 (1: 0.157), 256 → 0.106. Measured again once values were priced by their own variance
+# (plan/bits.py; 2026-11-25, 4,096 tokens of wiki:eval+pydoc:eval, 0.2775 of fp16's bytes, no layer multipliers):
+# V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
+V_SCALE = 32.0
+
+
+class BitsFormat(CacheFormat):
+    name = "bits"
+    layout = "bits"
+    summary = "each kept dim stored at 2–16 bits; transformers and vLLM"
+    frontier_method = "kvfold-bits"
+    v_scale = V_SCALE
+    # eq6: one θ for every head. sensitivity: KL −25% at equal bytes, but SmolLM2's 0.99 export with it (0.295 of
+    # fp16's bytes, 2026-11-28) lost 1 of 10 pass keys in the runtime that its simulated check kept
+    allocation = "eq6"
+    sensitivity_tokens = 2048  # its probes are per KV head: 2 × layers × KV heads of them
+    sensitivity_of = "KV head's rounding"
+    sensitivity_compares = True  # the KL per unit of rounding distortion
+
+    def check(self, recipe):
+        if recipe.tp > 1:
+            raise ValueError("--tp balances the rank format's widths; a bits export's band rows are not balanced yet "
+                             "(serve it with tensor_parallel_size=1, or export --format rank --tp N)")
+        if recipe.ratio is not None:
+            raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
+
+    def rounding(self, recipe):
+        return 1, 0  # the ranks follow from the bits: multiple and min_rank do not apply
+
+    @property
+    def band_scale(self):
+        from kvfold.plan.bits import SCALE
+
+        return SCALE
+
+    def rule(self, recipe, r, r_v, multipliers):
+        from kvfold.plan.bits import BitRule
+
+        return BitRule(theta_k=r, theta_v=r_v, **multipliers)
+
+    def plan(self, bases, rule):
+        from kvfold.plan.bits import plan_bits
+
+        return plan_bits(bases, rule)
+
+    def scorer(self, bases, evaluator):
+        from kvfold.plan.targets import bit_patches
+
+        like = next(evaluator.model.parameters())  # the model's dtype and device
+        # each plan scored on the cache it would store: band codes and scales (measure/stored.py)
+        return lambda plan: (evaluator.score_patches(bit_patches(bases, plan, like)), evaluator.baseline)
+
+    def export_parts(self, bases, rule):
+        from kvfold.plan.bits import bit_factors, plan_bits
+
+        bits = plan_bits(bases, rule)
+        return bits.ranks(), bits, bit_factors(bases, bits)
+
+    def sensitivity(self, bases, probe, recipe, log):
+        from kvfold.plan.rounding import measure_head_scales
+
+        return measure_head_scales(bases, probe, recipe.v_scale, progress=log)
+
+    def passkey_patches(self, bases, evaluator, rule, like):
+        from kvfold.plan.bits import plan_bits
+        from kvfold.plan.longrange import NUDGES
+        from kvfold.plan.targets import bit_patches
+
+        plan = plan_bits(bases, rule)  # three roundings of the cache (plan/longrange.py)
+        return [bit_patches(bases, plan, like, nudge) for nudge in NUDGES]
+
+    def search_range(self, rule):
+        # θ from 1e-7 on the side with the larger θ (about 8 bits for a head's average dim: int8-like) to θ_k = 0.1
+        # (nearly every dim dropped)
+        unit = rule(1.0)
+        return 1e-7 / max(1.0, unit.theta_v / unit.theta_k), 0.1
