@@ -111,4 +111,7 @@ def rerun_in_triton_interpreter(test_file: str, *args: str) -> str:
     run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    # A child whose every test skipped (or that selected none) exits 0 too: the kernels did not run, so fail.
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert " passed" in summary and "skipped" not in summary, f"not every selected child test ran: {summary!r}"
     return run.stdout

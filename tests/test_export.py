@@ -12,6 +12,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
 from kvfold.plan.criteria import Target
+from tests.conftest import build_tiny, tiny_tokenizer
 from tests.test_cli import assert_user_error, run
 
 LLAMA = "LlamaForCausalLM"
@@ -267,13 +268,30 @@ def test_device_cuda_without_a_gpu_is_one_line(setup, tmp_path, command):
     assert_user_error(run(command, model, *args, "--device", "tpu", "-o", out), "--device must be one of", out)
 
 
-def test_the_chosen_points_pass_keys_are_recorded(setup, tmp_path):
-    """An accuracy export checks its chosen point's pass keys (plan/longrange.py) and records it — on this
-    model's 256-token context there is no room for the task, which is recorded as skipped; --passkey 0 skips
-    the check, and a length under 256 is refused."""
+def test_the_chosen_points_pass_keys_are_checked_and_recorded(tmp_path):
+    """An accuracy export checks its chosen point's pass keys (plan/longrange.py) and records the check: here on
+    the tiny Llama given a 1,024-token context, so the prompts fit and the check really runs."""
+    model = tmp_path / "model"
+    net = build_tiny(LLAMA, max_position_embeddings=1024)
+    net.config.architectures = [LLAMA]
+    net.save_pretrained(model)
+    tiny_tokenizer().save_pretrained(model)
+    text = tmp_path / "eval.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    assert run("calibrate", model, "-o", tmp_path / "calib", "--tokens", 512, "--seq-len", 64).exit_code == 0
+    result = _export((model, tmp_path / "calib", text, tmp_path), tmp_path / "a", "--accuracy", 0.8, "--passkey", 512)
+    assert result.exit_code == 0, result.output
+    record = Manifest.load(tmp_path / "a").passkey
+    assert record is not None and "skipped" not in record, record
+    assert record["context"] <= 512 and record["prompts"] > 0 and record["retrieved"] >= record["original"]
+
+
+def test_pass_keys_without_room_are_recorded_as_skipped_and_passkey_0_skips(setup, tmp_path):
+    """On a 256-token context there is no room for the task: recorded as skipped, with the reason; --passkey 0
+    skips the check (no record), and a length under 256 is refused."""
     assert _export(setup, tmp_path / "a", "--accuracy", 0.8).exit_code == 0
     record = Manifest.load(tmp_path / "a").passkey
-    assert record is not None and ("skipped" in record or record["retrieved"] >= record["original"])
+    assert record is not None and "no room" in record["skipped"], record
     assert _export(setup, tmp_path / "b", "--accuracy", 0.8, "--passkey", 0).exit_code == 0
     assert Manifest.load(tmp_path / "b").passkey is None
     assert_user_error(_export(setup, tmp_path / "c", "--accuracy", 0.8, "--passkey", 100),
