@@ -50,10 +50,15 @@ def register_references() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kvfold_bench.cli import app
+    """`kvfold-bench frontier ARGV` with the references registered."""
+    import typer
+
+    from kvfold_bench import cli
 
     register_references()
-    app(["frontier", *(sys.argv[1:] if argv is None else argv)], prog_name="python -m research.frontier_limit")
+    cli.log_to_stderr()
+    frontier = typer.main.get_command(cli.app).commands["frontier"]
+    frontier.main(sys.argv[1:] if argv is None else argv, prog_name="python -m research.frontier_limit")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ app = typer.Typer(help="Benchmarks: every figure measured in the run, as JSON.",
 
 
 @app.callback()
-def _setup() -> None:  # the API's progress lines on stderr, as under `kvfold`
+def log_to_stderr() -> None:
+    """The API's progress lines on stderr, as under `kvfold` (every command; callers of one command call it too)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=err, show_path=False)])
 
 
