@@ -41,7 +41,7 @@ def test_prepare_checks_the_conversion_by_perplexity(qwen):
 
 # Small sizes: the 1.5B model runs in float32 on CI's AVX2-only CPUs (~30 s per 512-token window on 2 cores), so
 # one calibration serves every test, one rank export made for a compression (one scored point: Qwen's rank
-# format keeps p ≈ 0.012 at 0.99, docs/results.md) serves both rank tests, the bits export's search and the
+# format keeps p ≈ 0.012 at 0.99, docs/notebook.md) serves both rank tests, the bits export's search and the
 # verifies read one 512-token window each, the search bisects 3 times, not 8 (4 candidates of ~19 s, not 9), and
 # verify's greedy generations are 8 tokens, not 32 (~70 s less per verify). The rank export is verified on its
 # search's own window (the baked weights must give the figures the search recorded), the bits export on held-out

@@ -20,7 +20,7 @@ measured to become 8/10 in the served checkpoint.
 
 Counting is not enough either: a key kept by a hair under three roundings is lost by the next. Rounding flips
 grow through the layers, so each rounding is in effect a fresh draw of the cache's noise, and the answer's logit
-margin over the runner-up moves between draws. Measured on SmolLM2 (2026-11-28, docs/results.md): the per-head
+margin over the runner-up moves between draws. Measured on SmolLM2 (2026-11-28, docs/notebook.md): the per-head
 bits export at 0.295 of fp16 had, on one prompt, margins +0.35, +0.01, +0.30 under the check's roundings and
 +0.11 served; on another +0.43, +0.28, +0.41, then −0.02 served — the key lost in `kvfold verify`. Spread over
 draws: 0.14 nats (pooled). So each point's margins are modelled per prompt as mean μ_p plus a spread σ common to

@@ -23,7 +23,7 @@ Which scale s a writer stores is the writer's choice (a reader only decodes); kv
   error Σ(x − x̂)² (summed in float64), the covering one on a tie. A smaller step clips the row's largest values
   but rounds all the others finer: on Gaussian rows of 8–64 dims (a band's DCT-mixed dims are close to it) the
   squared error falls by 10% at 5 bits, 20–25% at 4, 25–32% at 3, 35–40% at 2.
-  Measured on SmolLM2's bits plans (2026-11-28, 12,288 wiki:eval+pydoc:eval tokens, docs/results.md): mean KL
+  Measured on SmolLM2's bits plans (2026-11-28, 12,288 wiki:eval+pydoc:eval tokens, docs/notebook.md): mean KL
   0.0239 → 0.0191 at 0.270 of fp16's bytes and 0.0160 → 0.0132 at 0.285, perplexity ratio 1.0208 → 1.0167 and
   1.0178 → 1.0151; six steps instead of three gave the same KL (0.0191, 0.0134).
 - "float16" (legacy exports): the covering scale, as they were verified with.

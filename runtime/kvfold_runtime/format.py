@@ -14,7 +14,7 @@ Why a key shift: every query's scores move by the same constant (q · shift) whe
 every key, and softmax does not see it, so attention is unchanged — but the stored keys lose their mean. Models
 with key biases (Qwen2) have post-RoPE keys dominated by one direction shared by every token; rounding k' to the
 model's dtype, or to a band's codes whose scale that direction sets, then costs far more than the keys' spread
-warrants (docs/results.md: Qwen2.5-Coder's bits export at 0.99).
+warrants (docs/notebook.md: Qwen2.5-Coder's bits export at 0.99).
 
 Packed layouts, used everywhere (heads in order, each at its own width, no padding):
   queries [..., Σ_h d_k(g(h))]   keys [..., Σ_g d_k[g]]   values [..., Σ_g d_v[g]]

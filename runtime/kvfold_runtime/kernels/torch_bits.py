@@ -12,7 +12,7 @@ byte by bucketing into the 256 scales, the fitted byte (bands.FIT_STEPS tries, e
 the same gather), each dim's code shifted into its window and added into its two bytes (codes of
 one band never share a bit, so adding is OR). encode_heads quantizes band by band in ~10 small ops each: 0.32 ms
 a SmolLM2 layer call at batch 1 on this CPU, against 0.05 ms for encode_rows compiled (before the fitted scales,
-which cost the compiled writer 1.5× at 1 row and 3× at 2,048: docs/results.md, 2026-11-28).
+which cost the compiled writer 1.5× at 1 row and 3× at 2,048: docs/notebook.md, 2026-11-28).
 
 On a CPU with a C compiler, decode_rows hands the rows to kernels/cpu_bits.c (a loop per band width), 4× faster
 than these ops compiled (SmolLM2 bits layer, 12,800 rows: 0.61 / 0.51 ms for keys / values against 2.7 / 2.7 ms).
