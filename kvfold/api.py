@@ -21,6 +21,7 @@ from kvfold.errors import KVFoldError
 from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
 from kvfold.plan.recipe import Recipe, RecipeOverrides, load_recipe
+from kvfold.progress import progress
 from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
@@ -76,11 +77,9 @@ def calibrate(
     dtype: str = "float32",
     device: str = "auto",
     force: bool = False,
-    progress=None,
 ) -> CalibResult:
-    """Measure per-head attention statistics of `model` and write them to `output` atomically.
-
-    `progress(total_tokens)` may return a callable advanced by the tokens of each batch."""
+    """Measure per-head attention statistics of `model` and write them to `output` atomically (its batches'
+    progress: kvfold/progress.py)."""
     source = source or ("text" if text else "random")
     options = CalibOptions(
         source=_check_choice("--source", source, ("random", "text")),
@@ -109,8 +108,8 @@ def calibrate(
         seqs = _sequences(ref.path, net, docs, options)
         sink = _sink(options, seqs)
         t1 = time.perf_counter()
-        advance = progress(seqs.num_tokens * sink.passes) if progress else None
-        grams = collect(net, ref.adapter, seqs, options.batch, sink, on_batch=advance)
+        with progress("calibrating", seqs.num_tokens * sink.passes, "tokens") as advance:
+            grams = collect(net, ref.adapter, seqs, options.batch, sink, on_batch=advance)
         t2 = time.perf_counter()
         header = CalibHeader(
             kvfold_version=kvfold.__version__, torch_version=torch.__version__,

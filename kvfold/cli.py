@@ -64,12 +64,12 @@ def calibrate(
 ) -> None:
     """Measure post-RoPE Q/K, V and attention-output statistics per head (float64 Grams)."""
     from kvfold import api
-    from kvfold.report import calib_summary, progress_bar
+    from kvfold.report import calib_summary
 
-    with user_errors(), progress_bar(err) as bar:
+    with user_errors():
         result = api.calibrate(model, output, source=source, text=text, tokens=tokens, seq_len=seq_len,
                                batch=batch, prune_fraction=prune, kmeans=kmeans, seed=seed, dtype=dtype,
-                               device=device, force=force, progress=bar)
+                               device=device, force=force)
     out.print(calib_summary(result))
 
 

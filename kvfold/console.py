@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from kvfold.errors import KVFoldError
+from kvfold.progress import shown_on
 
 __all__ = ["err", "out", "user_errors"]
 
@@ -59,10 +60,10 @@ def _quiet_libraries() -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Where a command's work runs: bad input and Ctrl-C end in one red line and exit code 2 (api writes
-    outputs atomically)."""
+    outputs atomically). Long stages show their progress on stderr (kvfold/progress.py)."""
     _quiet_libraries()
     try:
-        with _reliable_ctrl_c():
+        with _reliable_ctrl_c(), shown_on(err):
             yield
     except KVFoldError as e:
         err.print(f"[red]error:[/red] {e}")

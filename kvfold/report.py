@@ -1,35 +1,17 @@
-"""Rich renderings of API results (tables, progress). Kept apart so the API returns plain data. The product's
-commands only (calibrate, inspect, export, verify); the benchmarks' tables are in the kvfold-bench package
-(bench/kvfold_bench/tables.py)."""
+"""Rich renderings of API results (tables; progress bars: kvfold/progress.py). Kept apart so the API returns plain
+data. The product's commands only (calibrate, inspect, export, verify); the benchmarks' tables are in the kvfold-bench
+package (bench/kvfold_bench/tables.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
 
-__all__ = ["calib_summary", "export_summary", "progress_bar", "spectrum_table", "verify_table"]
+__all__ = ["calib_summary", "export_summary", "spectrum_table", "verify_table"]
 
 _KIND_NAMES = {"q": "Q (post-RoPE)", "k": "K (post-RoPE)", "v": "V", "o": "attn out"}
-
-
-@contextmanager
-def progress_bar(console: Console) -> Iterator:
-    """Yield `start(total) -> advance(n)` for the API to drive."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
-                  TimeRemainingColumn(), console=console, transient=True) as progress:
-
-        def start(total: int):
-            task = progress.add_task("calibrating", total=total)
-            return lambda n: progress.advance(task, n)
-
-        yield start
 
 
 def calib_summary(result) -> str:

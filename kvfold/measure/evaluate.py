@@ -19,6 +19,7 @@ from kvfold.calib.tokens import Sequences, batches
 from kvfold.factors import LayerFactors
 from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.metrics import Metrics
+from kvfold.progress import progress
 
 __all__ = ["TOP_K", "Evaluator", "Reference", "score_model"]
 
@@ -75,7 +76,7 @@ class Evaluator:
         self._layers = adapter.decoder_layers(model)
         self._outputs: list[list] | None = [[] for _ in self._layers] if replay else None  # [layer][batch]
         with _recorded(self._layers, self._outputs):
-            self.baseline = score_model(model, windows, batch, keep=self.reference)
+            self.baseline = score_model(model, windows, batch, keep=self.reference, description="scoring the original")
 
     def score(self, factors: list[LayerFactors] | None, compare: bool = True) -> Metrics:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
@@ -94,7 +95,8 @@ class Evaluator:
             raise ValueError("this Evaluator keeps no reference (compare=False): score with compare=False")
         start = min(patches, default=len(self._layers)) if self._outputs is not None else 0
         with patched(self.model, self.adapter, patches), _replayed(self._layers[:start], self._outputs):
-            return score_model(self.model, self.windows, self.batch, against=self.reference if compare else None)
+            return score_model(self.model, self.windows, self.batch, against=self.reference if compare else None,
+                               description="scoring a compression")
 
 
 @contextmanager
@@ -126,17 +128,17 @@ def _replayed(layers: list[nn.Module], outputs: list[list] | None) -> Iterator[N
 
 
 def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against: Reference | None = None,
-                keep: Reference | None = None) -> Metrics:
+                keep: Reference | None = None, description: str = "scoring") -> Metrics:
     """Next-token top-1 accuracy and NLL of `model` as it runs now, over every window; with `against`,
     also top-1 agreement and KL divergence from that reference; with `keep`, fill it with this run's
-    predictions (the original's run, for later comparisons)."""
+    predictions (the original's run, for later comparisons). Its progress: a stage named `description`."""
     hits: list[int] = []
     nlls: list[float] = []
     agree: list[int] = []
     kls: list[float] = []
     token_kl: list[torch.Tensor] = []
     device = next(model.parameters()).device
-    with torch.inference_mode():
+    with torch.inference_mode(), progress(description, len(windows.ids), "windows") as advance:
         for b, ids in enumerate(batches(windows, batch)):
             ids = ids.to(device)
             logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
@@ -154,6 +156,7 @@ def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against
                 agree += rows.agree.sum(-1).tolist()
                 kls += rows.kl.double().sum(-1).tolist()
                 token_kl.append(rows.kl.flatten().cpu())
+            advance(len(ids))
     sizes = tuple(len(s) - 1 for s in windows.ids)
     count = sum(sizes)
     p99 = torch.quantile(torch.cat(token_kl).double(), 0.99).item() if token_kl else float("nan")

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvfold.errors import KVFoldError
+from kvfold.progress import progress
 
 __all__ = ["DEPTHS", "Answers", "PasskeyPrompt", "passkey_answers", "passkey_hits", "passkey_length", "passkey_prompts",
            "passkey_summary"]
@@ -81,12 +82,13 @@ class Answers(NamedTuple):
     # > 0 iff the key is retrieved; how far a key is from flipping (rounding alone moves it by ~0.2, plan/longrange.py)
 
 
-def passkey_answers(model: nn.Module, prompts: list[PasskeyPrompt]) -> Answers:
+def passkey_answers(model: nn.Module, prompts: list[PasskeyPrompt], description: str = "pass keys") -> Answers:
     """Per prompt: whether greedy decoding after its question writes its key, the answer's mean NLL and its
     logit margin (Answers). The count sits at a small model's noise floor — SmolLM2's answers win by 0.26–1.4
-    nats — so the NLL and the margin are what tell two nearby caches apart."""
+    nats — so the NLL and the margin are what tell two nearby caches apart. Its progress is a stage named
+    `description` (kvfold/progress.py)."""
     out = Answers([], [], [])
-    with torch.inference_mode():
+    with torch.inference_mode(), progress(description, len(prompts), "prompts") as advance:
         for p in prompts:
             ids = p.ids[None].to(model.device)
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=p.answer + 1).logits[0, :-1].float().cpu()
@@ -96,6 +98,7 @@ def passkey_answers(model: nn.Module, prompts: list[PasskeyPrompt]) -> Answers:
             out.hits.append(bool(torch.equal(logits.argmax(-1), answer)))
             out.nlls.append(float(torch.nn.functional.cross_entropy(logits, answer)))
             out.margins.append(float((right - others).min()))
+            advance()
     return out
 
 

@@ -61,19 +61,20 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
     Z spreads; a record of the check for the manifest (the points rejected on the way, with the fewest keys a
     rounding retrieved and the margin summary); and the points `between` scored to narrow the gap to the next
     rejected one (module docstring)."""
-    original = passkey_answers(model, prompts)
+    original = passkey_answers(model, prompts, "pass keys: the original")
     want = sum(original.hits)
     record = {"context": len(prompts[0].ids), "prompts": len(prompts), "original": want, "z": Z, "rejected": []}
     # compression -> the fewest keys its roundings retrieved, and the margin summary of the keys the original does
     retrieved: dict[float, tuple[int, dict]] = {}
 
     def keeps(point: Point) -> bool:
-        def answers(patches: dict[int, AttentionPatch]) -> Answers:
+        def answers(i: int, patches: dict[int, AttentionPatch]) -> Answers:
+            rounding = f", rounding {i + 1}/{len(roundings)}" if len(roundings) > 1 else ""
             with patched(model, adapter, patches):
-                return passkey_answers(model, prompts)
+                return passkey_answers(model, prompts, f"pass keys at p={point.compression:.4f}{rounding}")
 
         roundings = patches_for(point) if point.compression > 0 else [{}]
-        verdict = judge(original, (answers(patches) for patches in roundings))
+        verdict = judge(original, (answers(i, patches) for i, patches in enumerate(roundings)))
         retrieved[point.compression] = verdict.fewest, verdict.margin
         log(f"pass keys at p={point.compression:.4f}: {'/'.join(map(str, verdict.counts))} of {len(prompts)} at "
             f"{record['context']} tokens{' (each rounding)' if len(verdict.counts) > 1 else ''} (original {want}); the "

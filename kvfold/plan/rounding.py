@@ -16,7 +16,6 @@ at 0.285 of fp16's bytes and 0.0190 → 0.0144 at 0.270; the same costs summed p
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from kvfold.plan.bits import (
     plan_bits,
     theta_for_mean_bits,
 )
-from kvfold.plan.sensitivity import probe_progress
+from kvfold.progress import progress
 
 __all__ = ["PROBE_BITS", "HeadScales", "measure_head_scales"]
 
@@ -81,10 +80,9 @@ def _alone(plan: BitPlan, layer: int, side: str, head: int) -> BitPlan:
     return BitPlan([[widths("k", h) for h in heads]], [[widths("v", h) for h in heads]], plan.head_dim, plan.scale)
 
 
-def measure_head_scales(bases: list[LayerBasis], evaluator: Evaluator, v_scale: float,
-                        progress: Callable[[str], None] | None = None) -> HeadScales:
+def measure_head_scales(bases: list[LayerBasis], evaluator: Evaluator, v_scale: float) -> HeadScales:
     """2 × layers × KV heads evaluations of `evaluator`'s windows (which must keep a Reference, for the KL;
-    replay=True makes each cost about half a forward pass); `progress` gets a line after each tenth of them."""
+    replay=True makes each cost about half a forward pass), a progress stage (kvfold/progress.py)."""
     widths = BitRule(1.0, 1.0).widths
     theta = theta_for_mean_bits(bases, PROBE_BITS, widths, v_scale)
     probe = plan_bits(bases, BitRule(theta, v_scale * theta, widths))
@@ -92,20 +90,19 @@ def measure_head_scales(bases: list[LayerBasis], evaluator: Evaluator, v_scale: 
     like = next(evaluator.model.parameters())
     heads = len(probe.k_bits[0])
     costs: dict[str, list[list[float]]] = {"k": [], "v": []}
-    total, done, t0 = 2 * len(bases) * heads, 0, time.monotonic()
-    for side in ("k", "v"):
-        for layer in range(len(bases)):
-            costs[side].append([])
-            for head in range(heads):
-                one = _alone(probe, layer, side, head)
-                quantize = _one_head(banded([one.bands(side, 0)[head]]), head)
-                keep = (quantize, lambda x: x) if side == "k" else (lambda x: x, quantize)
-                patch = compressed(bit_factors([bases[layer]], one)[0], like, *keep)
-                kl = evaluator.score_patches({layer: patch}).kl
-                spectrum = (ordered[layer].qk_spectrum if side == "k" else ordered[layer].v_spectrum)[head]
-                bits = (probe.k_bits if side == "k" else probe.v_bits)[layer][head]
-                costs[side][-1].append(kl / max(modelled_distortion(spectrum, bits), 1e-30))
-                done += 1
-                probe_progress(progress, done, total, t0)
+    with progress("sensitivity probes", 2 * len(bases) * heads, "probes") as advance:
+        for side in ("k", "v"):
+            for layer in range(len(bases)):
+                costs[side].append([])
+                for head in range(heads):
+                    one = _alone(probe, layer, side, head)
+                    quantize = _one_head(banded([one.bands(side, 0)[head]]), head)
+                    keep = (quantize, lambda x: x) if side == "k" else (lambda x: x, quantize)
+                    patch = compressed(bit_factors([bases[layer]], one)[0], like, *keep)
+                    kl = evaluator.score_patches({layer: patch}).kl
+                    spectrum = (ordered[layer].qk_spectrum if side == "k" else ordered[layer].v_spectrum)[head]
+                    bits = (probe.k_bits if side == "k" else probe.v_bits)[layer][head]
+                    costs[side][-1].append(kl / max(modelled_distortion(spectrum, bits), 1e-30))
+                    advance()
     as_tuples = {s: tuple(tuple(layer) for layer in c) for s, c in costs.items()}
     return HeadScales(_scales(costs["k"]), _scales(costs["v"]), as_tuples["k"], as_tuples["v"])

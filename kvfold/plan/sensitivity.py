@@ -12,15 +12,14 @@ clipped to [1/8, 8]. The bisection on r is unchanged; w is recorded in the manif
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfold.factors import LayerBasis
 from kvfold.measure.evaluate import Evaluator
 from kvfold.plan.ranks import RankPlan, RankRule, factors_for, plan_ranks
+from kvfold.progress import progress
 
-__all__ = ["PROBE_RATE", "LayerScales", "measure_scales", "probe_progress"]
+__all__ = ["PROBE_RATE", "LayerScales", "measure_scales"]
 
 PROBE_RATE = 0.15  # removes ~1/3 of a layer's key dims and ~1/4 of its value dims on SmolLM2
 FLOOR = 2e-5  # NLL per dim: below this a cost is noise (costs can even measure negative)
@@ -44,33 +43,23 @@ def _scales(costs: list[float]) -> tuple[float, ...]:
     return tuple(min(CLIP, max(1 / CLIP, (mean / x) ** ALPHA)) for x in c)
 
 
-def probe_progress(progress: Callable[[str], None] | None, done: int, total: int, started: float) -> None:
-    """After each tenth of `total` probes (not the last), a line for `progress` with the time left at the pace
-    since `started` (time.monotonic); the bits format's per-head probes (plan/rounding.py) report the same way."""
-    if progress is not None and done % max(1, total // 10) == 0 and done < total:
-        left = (time.monotonic() - started) / done * (total - done)
-        progress(f"sensitivity probes {done}/{total}, about {left:.0f} s left")
-
-
-def measure_scales(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int,
-                    progress: Callable[[str], None] | None = None) -> LayerScales:
-    """2 × layers evaluations of `evaluator`'s windows (use a few thousand tokens); `progress` gets a line
-    after each tenth of them, with the time left at the pace so far."""
+def measure_scales(bases: list[LayerBasis], evaluator: Evaluator, min_rank: int) -> LayerScales:
+    """2 × layers evaluations of `evaluator`'s windows (use a few thousand tokens), a progress stage
+    (kvfold/progress.py) as the bits format's per-head probes (plan/rounding.py)."""
     d = bases[0].qk_spectrum.shape[-1]
     full = [[d] * len(b.qk_spectrum) for b in bases]
     probe = plan_ranks(bases, RankRule(PROBE_RATE, PROBE_RATE, multiple=1, min_rank=min_rank))
     costs: dict[str, list[float]] = {"k": [], "v": []}
-    total, t0 = 2 * len(bases), time.monotonic()
-    for kind in ("k", "v"):
-        for layer in range(len(bases)):
-            d_k, d_v = [list(r) for r in full], [list(r) for r in full]
-            (d_k if kind == "k" else d_v)[layer] = (probe.d_k if kind == "k" else probe.d_v)[layer]
-            removed = d * len(full[layer]) - sum((d_k if kind == "k" else d_v)[layer])
-            if removed == 0:
-                costs[kind].append(0.0)
-                continue
-            metrics = evaluator.score(factors_for(bases, RankPlan(d_k, d_v, d)), compare=False)
-            costs[kind].append((metrics.nll - evaluator.baseline.nll) / removed)
-            done = len(costs["k"]) + len(costs["v"])
-            probe_progress(progress, done, total, t0)
+    with progress("sensitivity probes", 2 * len(bases), "probes") as advance:
+        for kind in ("k", "v"):
+            for layer in range(len(bases)):
+                d_k, d_v = [list(r) for r in full], [list(r) for r in full]
+                (d_k if kind == "k" else d_v)[layer] = (probe.d_k if kind == "k" else probe.d_v)[layer]
+                removed = d * len(full[layer]) - sum((d_k if kind == "k" else d_v)[layer])
+                if removed == 0:
+                    costs[kind].append(0.0)
+                else:
+                    metrics = evaluator.score(factors_for(bases, RankPlan(d_k, d_v, d)), compare=False)
+                    costs[kind].append((metrics.nll - evaluator.baseline.nll) / removed)
+                advance()
     return LayerScales(_scales(costs["k"]), _scales(costs["v"]), tuple(costs["k"]), tuple(costs["v"]))

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from kvfold.calib.tokens import text_sequences
 from kvfold.checkpoint.manifest import Manifest
@@ -15,6 +16,7 @@ from kvfold.errors import KVFoldError
 from kvfold.measure.evaluate import Reference, score_model
 from kvfold.measure.passkey import passkey_answers, passkey_length, passkey_prompts, passkey_summary
 from kvfold.plan.point import Point
+from kvfold.progress import progress
 from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
@@ -66,19 +68,35 @@ def expected_kv_bytes(original_cache, block: ConfigBlock) -> int:
     return total
 
 
-def _generate(model, tokenizer, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:
+def _generate(model, tokenizer, prompts: torch.Tensor, new_tokens: int, description: str) -> list[list[int]]:
     """Greedy continuations of equal-length prompts [N, T] in one batch, each cut after its first end-of-sequence
     token (where generate stops a prompt of its own). One batch: a decode step reads every weight whatever the
     batch (Qwen2.5-Coder-1.5B in float32 on 2 cores: a step of 4 prompts took 2.8× one of 1, and verify's
-    generations 96 s instead of 135 s one by one)."""
-    with torch.inference_mode():
+    generations 96 s instead of 135 s one by one). Its progress: a stage named `description`, a step a token."""
+    with torch.inference_mode(), progress(description, new_tokens, "tokens") as advance:
         ids = prompts.to(model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
+                             pad_token_id=tokenizer.eos_token_id, streamer=_Steps(advance))
     eos = model.generation_config.eos_token_id
     stops = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
     rows = out[:, prompts.shape[1]:].cpu().tolist()
     return [row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in rows]
+
+
+class _Steps(BaseStreamer):
+    """generate's streamer that only counts decoding steps: its first put is the prompt, each later one a token."""
+
+    def __init__(self, advance) -> None:
+        self.advance, self.prompt = advance, True
+
+    def put(self, value) -> None:
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.advance()
+
+    def end(self) -> None:
+        pass
 
 
 def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> list[bool]:
@@ -113,9 +131,9 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
         first = first or windows
         reference = Reference([], [])
         batch = max(1, 2048 // context)  # the logits of 2,048 tokens at a time (400 MB at SmolLM2's vocabulary)
-        base = score_model(original, windows, batch, keep=reference)
-        point = Point.measured(0.0, 0.0, m.chosen.compression,
-                                    score_model(served, windows, batch, against=reference), base)
+        base = score_model(original, windows, batch, keep=reference, description=f"{text}: the original")
+        point = Point.measured(0.0, 0.0, m.chosen.compression, score_model(
+            served, windows, batch, against=reference, description=f"{text}: the export"), base)
         report.texts.append({"eval_text": text, "context": context, "tokens": base.tokens, "baseline_top1": base.top1,
                              "baseline_ppl": base.ppl, **{k: v for k, v in asdict(point).items()
                                                           if k not in ("r_k", "r_v", "compression")}})
@@ -156,7 +174,8 @@ def _passkey(tokenizer, original, served, context: int, report: VerifyReport) ->
     except KVFoldError as e:
         report.passkey = {"skipped": f"the model's context of {context} tokens is too short ({e})"}
         return
-    orig, exp = passkey_answers(original, prompts), passkey_answers(served, prompts)
+    orig = passkey_answers(original, prompts, "pass keys: the original")
+    exp = passkey_answers(served, prompts, "pass keys: the export")
     hits = {"original": orig.hits, "exported": exp.hits}
     # beside the counts, the answers' NLL (and the export's change against the original, paired by prompt) and
     # their smallest logit margin: how close the nearest key is to flipping
@@ -214,8 +233,8 @@ def _generation(m: Manifest, tokenizer, original, served, windows, new_tokens: i
     pieces = [stream[start:start + PROMPT_TOKENS] for start in range(0, step * PROMPTS, step)]
     length = min(len(piece) for piece in pieces)  # one length for the batch (a short text's pieces are cut)
     prompts = torch.stack([piece[:length] for piece in pieces])
-    originals = _generate(original, tokenizer, prompts, new_tokens)
-    exported = _generate(served, tokenizer, prompts, new_tokens)
+    originals = _generate(original, tokenizer, prompts, new_tokens, "generating: the original")
+    exported = _generate(served, tokenizer, prompts, new_tokens, "generating: the export")
     for prompt, a, b in zip(prompts[:, None], originals, exported, strict=True):
         diverge = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if diverge is None and len(a) != len(b):  # one stopped at EOS

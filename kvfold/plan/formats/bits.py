@@ -77,7 +77,7 @@ class BitsFormat(CacheFormat):
     def sensitivity(self, bases, probe, recipe, log):
         from kvfold.plan.rounding import measure_head_scales
 
-        return measure_head_scales(bases, probe, recipe.v_scale, progress=log)
+        return measure_head_scales(bases, probe, recipe.v_scale)
 
     def passkey_patches(self, bases, evaluator, rule, like):
         from kvfold.plan.bits import plan_bits

@@ -50,7 +50,7 @@ class RankFormat(CacheFormat):
     def sensitivity(self, bases, probe, recipe, log):
         from kvfold.plan.sensitivity import measure_scales
 
-        return measure_scales(bases, probe, self.rounding(recipe)[1], progress=log)
+        return measure_scales(bases, probe, self.rounding(recipe)[1])
 
     def passkey_patches(self, bases, evaluator, rule, like):
         from kvfold.plan.ranks import factors_for, plan_ranks
