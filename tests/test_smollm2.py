@@ -76,7 +76,7 @@ def test_text_and_random_calibration_differ(smollm2, tmp_path):
 
 
 def test_bench_calibrate_prints_json(smollm2):
-    done = subprocess.run([sys.executable, "-m", "kvfold.bench", "calibrate", "--tokens", "1024"],
+    done = subprocess.run([sys.executable, "-m", "kvfold_bench", "calibrate", "--tokens", "1024"],
                           capture_output=True, text=True, check=True)
     report = json.loads(done.stdout)
     (point,) = report["points"]

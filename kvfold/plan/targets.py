@@ -39,7 +39,7 @@ def bit_patches(bases: list[LayerBasis], plan: BitPlan, like, nudge: float = 0.0
     """Every layer's attention on the bit-band cache `plan` stores (codes and scales) with the bands mixed as
     export bakes them (plan/bits.bit_factors), in the dtype and on the device of `like`; `nudge`: another
     rounding of the same cache (plan/stored.banded). `coder`: a layer side's bands -> what its cache gives back
-    instead of the band codes' (e.g. measure/stored.ideal)."""
+    instead of the band codes' (e.g. research/ideal.py)."""
     coder = coder or (lambda bands: banded(bands, nudge))
     return {i: compressed(f, like, coder(plan.bands("k", i)), coder(plan.bands("v", i)))
             for i, f in enumerate(bit_factors(bases, plan))}

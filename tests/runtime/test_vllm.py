@@ -257,7 +257,7 @@ def test_smollm2_in_vllm(smollm2_exports):
 def test_openai_server_answers_completions_and_chat(smollm2_exports):
     """vLLM's OpenAI-compatible server on 127.0.0.1 at a free port, bounded waits, stopped with its whole
     process group: nothing left running."""
-    from kvfold.bench.openai_server import ask_server
+    from kvfold_bench.openai_server import ask_server
 
     report = ask_server(smollm2_exports["p10"], "The capital of France is", 8)
     assert report["completion"].strip() and report["chat_completion"].strip() and report["stopped"]
@@ -273,7 +273,7 @@ def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
     import sys
 
     out = tmp_path / "serve.json"
-    done = subprocess.run([sys.executable, "-m", "kvfold.bench", "serve", "--export", str(smollm2_exports["p10"]),
+    done = subprocess.run([sys.executable, "-m", "kvfold_bench", "serve", "--export", str(smollm2_exports["p10"]),
                            "--kv-cache-mib", "32", "--workload", "none", "--kv-cache-dtype", "fp8", "--eager",
                            "--json", str(out)], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, **ENGINE_IN_PROCESS})

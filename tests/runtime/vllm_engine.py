@@ -2,7 +2,7 @@
 
 A process per engine: vLLM starts its own engine and worker processes and does not free everything when an LLM
 object goes away, and a failed start must not take the test process with it. The process is forked from kvfold's
-engine host (kvfold/bench/engine_host.py), which imported vLLM once for the whole test run.
+engine host (bench/kvfold_bench/engine_host.py), which imported vLLM once for the whole test run.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvfold.bench.engine_host import run_module
-from kvfold.bench.serve_point import cpu_threads_bind
+from kvfold_bench.engine_host import run_module
+from kvfold_bench.serve_point import cpu_threads_bind
 
 REPO = Path(__file__).resolve().parents[2]
 # vLLM's engine core (and one worker) in the engine's own process: vLLM's CPU platform starts each process of its own
