@@ -22,7 +22,7 @@ from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
 from kvfold.plan.recipe import Recipe, RecipeOverrides, load_recipe
 from kvfold.progress import progress
-from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, weights_sha256
+from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, run_dtype, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify import DEFAULT_TEXTS, VerifyReport, verify
@@ -47,14 +47,13 @@ def prepare(model: str) -> Path:
 def perplexity(model: str, texts: list[str], tokens: int, dtype: str | None = None,
                seq_len: int = 512) -> dict[str, tuple[float, float]]:
     """The model's own perplexity and next-token top-1 accuracy on `tokens` of each text, in `seq_len`-token
-    windows (the export search's), in `dtype` (default: the checkpoint's where this CPU runs it fast, else
-    float32): a sanity check of a converted model."""
+    windows (the export search's), in `dtype` (default: sources.models.run_dtype's rule): a sanity check of a
+    converted model."""
     from kvfold.measure.evaluate import score_model
-    from kvfold.sources.models import fast_dtype, source_dtype
 
     ref = resolve_model(model)
     tokenizer = load_tokenizer(ref.path)
-    net = load_model(ref, dtype or fast_dtype(source_dtype(ref)))
+    net = load_model(ref, run_dtype(ref, dtype or "auto"))
     out = {}
     for text in texts:
         metrics = score_model(net, text_sequences(tokenizer, resolve_text(text), tokens, seq_len, seed=0), batch=4)
@@ -74,14 +73,14 @@ def calibrate(
     prune_fraction: float = 0.0,
     kmeans: int | None = None,
     seed: int = 0,
-    dtype: str = "float32",
+    dtype: str = "auto",
     device: str = "auto",
     force: bool = False,
 ) -> CalibResult:
     """Measure per-head attention statistics of `model` and write them to `output` atomically (its batches'
     progress: kvfold/progress.py)."""
     source = source or ("text" if text else "random")
-    options = CalibOptions(
+    checked = dict(
         source=_check_choice("--source", source, ("random", "text")),
         text=_text_spec(source, text),
         tokens=_check_positive("--tokens", tokens),
@@ -90,16 +89,17 @@ def calibrate(
         prune=_check_fraction("--prune", prune_fraction),
         kmeans=None if kmeans is None else _check_positive("--kmeans", kmeans),
         seed=seed,
-        dtype=_check_choice("--dtype", dtype, tuple(DTYPES)),
     )
+    _check_choice("--dtype", dtype, ("auto", *DTYPES))
     output = Path(output)
     ref = resolve_model(model)
     device = resolve_device(device)
+    options = CalibOptions(**checked, dtype=run_dtype(ref, dtype, device))
     docs = resolve_text(options.text) if options.text else None
 
     with atomic_dir(output, force=force) as tmp:
         t0 = time.perf_counter()
-        net = load_model(ref, dtype, device)
+        net = load_model(ref, options.dtype, device)
         layout = HeadLayout.from_config(net.config)
         identity = ModelIdentity(
             spec=model, path=str(ref.path.resolve()), architecture=ref.architecture,

@@ -25,6 +25,10 @@ app = typer.Typer(
 )
 
 
+_DTYPE = ("auto (the model's own on CUDA and on a CPU with native bfloat16, AVX512-BF16/AMX; else float32), "
+          "float32, bfloat16 or float16")
+
+
 def _default(option: str) -> str:
     """An export option's default as its help shows it, e.g. "[16384]": read from the Recipe, where it is defined."""
     value = Recipe.model_fields[option].default
@@ -46,7 +50,8 @@ def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug 
 
 @app.command()
 def calibrate(
-    model: Annotated[str, typer.Argument(help="Local HF model folder, or 'smollm2' (embedded default).")],
+    model: Annotated[str, typer.Argument(help="Local HF model folder, Hugging Face Hub id (org/name[@revision]), "
+                                         "or 'smollm2' (embedded default).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write statistics to.")],
     source: Annotated[str | None, typer.Option(help="random (token ids, as FDC) or text. "
                                                "Default: text if --text is given, else random.")] = None,
@@ -57,8 +62,8 @@ def calibrate(
     prune: Annotated[float, typer.Option(help="ZDC: drop this fraction of sequences per source group.")] = 0.0,
     kmeans: Annotated[int | None, typer.Option(help="ZDC: Gram from K count-weighted centroids per head.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for tokens, text order, pruning and K-means.")] = 0,
-    dtype: Annotated[str, typer.Option(help="Model dtype while running: float32, bfloat16 or float16 (statistics "
-                                         "are float64 either way).")] = "float32",
+    dtype: Annotated[str, typer.Option(help=f"Model dtype while running: {_DTYPE} (statistics are float64 either "
+                                         "way).")] = "auto",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
@@ -75,7 +80,7 @@ def calibrate(
 
 @app.command()
 def export(
-    model: Annotated[str, typer.Argument(help="The model that was calibrated (folder or 'smollm2').")],
+    model: Annotated[str, typer.Argument(help="The model that was calibrated (folder, Hub id or 'smollm2').")],
     calib: Annotated[Path, typer.Option(help="Directory written by kvfold calibrate.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the checkpoint to.")],
     accuracy: Annotated[float | None, typer.Option(help="Keep at least this fraction of the metric (joint: top-1 "
@@ -117,9 +122,9 @@ def export(
                                                 "original's pass keys in prompts of this many tokens, each by a "
                                                 "margin rounding cannot erase, as well as the original "
                                                 f"{_default('passkey')}; 0: skip (short contexts only).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="Model dtype while candidates are scored: float32, bfloat16 or "
-                                              f"float16 {_default('dtype')}; the written weights keep the source's "
-                                              "dtype.")] = None,
+    dtype: Annotated[str | None, typer.Option(help=f"Model dtype while candidates are scored and pass keys checked: "
+                                              f"{_DTYPE} {_default('dtype')}; the written weights keep the "
+                                              "source's dtype.")] = None,
     tp: Annotated[int | None, typer.Option(help="Balance the widths for vLLM's --tensor-parallel-size TP: every "
                                            "rank's KV heads hold equal widths, no rank pads its cache "
                                            f"{_default('tp')}.")] = None,
@@ -145,7 +150,8 @@ def export(
 @app.command()
 def verify(
     export_dir: Annotated[Path, typer.Argument(metavar="EXPORTED", help="A directory written by kvfold export.")],
-    against: Annotated[str | None, typer.Option(help="The original model [the source in the manifest].")] = None,
+    against: Annotated[str | None, typer.Option(help="The original model, a folder or Hub id [the source in the "
+                                                   "manifest].")] = None,
     eval_text: Annotated[list[str] | None, typer.Option(help="Held-out text to compare on; repeat for several "
                                                         "[wiki:eval and pydoc:eval].")] = None,
     eval_tokens: Annotated[int, typer.Option(help="Tokens of each --eval-text to compare on.")] = 16384,
@@ -155,7 +161,7 @@ def verify(
                                               "retrieve as many keys as the original (0: skip).")] = 4096,
     new_tokens: Annotated[int, typer.Option(help="Greedy tokens both models generate from each of a few prompts "
                                                  "of the first text, compared.")] = 32,
-    dtype: Annotated[str, typer.Option(help="Dtype both models run in: float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help=f"Dtype both models run in: {_DTYPE}.")] = "auto",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
@@ -188,7 +194,8 @@ def inspect(calib_dir: Annotated[Path, typer.Argument(help="A directory written 
 
 @app.command()
 def prepare(model: Annotated[str, typer.Argument(help="'smollm2', 'qwen2.5-coder-1.5b' (after ./scripts/setup.sh "
-                                                     "--with-qwen) or a local HF model folder.")],
+                                                     "--with-qwen), a local HF model folder or a Hub id "
+                                                     "(fetched into the Hugging Face cache).")],
             check_tokens: Annotated[int, typer.Option(help="Also print the model's perplexity on this many tokens "
                                                       "of wiki:eval and pysrc:eval (a check of the conversion; "
                                                       "0: skip).")] = 0) -> None:

@@ -53,7 +53,7 @@ class CalibOptions(_Frozen):
     prune: float
     kmeans: int | None
     seed: int
-    dtype: Literal["float32", "bfloat16"]
+    dtype: Literal["float32", "bfloat16", "float16"]
 
 
 class CalibHeader(_Frozen):

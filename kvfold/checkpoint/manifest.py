@@ -58,11 +58,16 @@ class SourceModel(_Frozen):
     path: str
     architecture: str
     weights_sha256: str
+    # A Hugging Face Hub model: its id and the commit its snapshot held (verify fetches that commit where `path`
+    # is gone); None, and no key in the file, for a local folder or an alias
+    hub_id: str | None = None
+    revision: str | None = None
 
     @classmethod
     def of(cls, ref: ModelRef, weights_sha256: str) -> SourceModel:
+        hub = dict(hub_id=ref.hub.repo_id, revision=ref.hub.revision) if ref.hub else {}
         return cls(spec=ref.spec, path=str(ref.path.resolve()), architecture=ref.architecture,
-                   weights_sha256=weights_sha256)
+                   weights_sha256=weights_sha256, **hub)
 
 
 class Calibration(_Frozen):
@@ -213,9 +218,12 @@ class Manifest(_Frozen):
         return None if self.target_level is None else Target(self.metric, self.target_level, self.margin)
 
     def to_json(self) -> str:
-        # no `format` key where the layout names the format: those files are byte for byte what they always were
-        return json.dumps(self.model_dump(exclude={"format"} if self.format is None else None), indent=2,
-                          sort_keys=True)
+        # no `format` key where the layout names the format, no hub keys for a local source: those files are byte
+        # for byte what they always were
+        exclude: dict = {"format": True} if self.format is None else {}
+        if self.source.hub_id is None:
+            exclude["source"] = {"hub_id", "revision"}
+        return json.dumps(self.model_dump(exclude=exclude or None), indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str = MANIFEST) -> Manifest:

@@ -47,7 +47,7 @@ class _Found(NamedTuple):
     curve: tuple[Point, ...]
     baseline: Baseline
     passkey: dict | None
-    model: nn.Module  # the model last run: the search's, or the source's dtype after the pass-key check
+    model: nn.Module  # the model the search and the pass-key check ran
 
 
 def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda line: None) -> ExportPlan:
@@ -75,7 +75,7 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
         best, passkey = pick(previous.curve, recipe, target, previous.passkey)
         found = _Found(best, previous.curve, previous.baseline, passkey, net)
     else:
-        found = _search(inputs, fmt, net, bases, windows, target, rule, device, log)
+        found = _search(inputs, fmt, net, bases, windows, target, rule, log)
     chosen = rule(found.best.r_k, found.best.r_v)
     ranks, bits, factors = fmt.export_parts(bases, chosen)
     return ExportPlan(
@@ -126,7 +126,7 @@ def _layer_scales(inputs: ExportInputs, fmt: CacheFormat, bases: list[LayerBasis
 
 
 def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], windows: Sequences,
-            target: Target | None, rule: Rule, device: str, log: Log) -> _Found:
+            target: Target | None, rule: Rule, log: Log) -> _Found:
     """Score the original, search for the target (or score the one point of a compression target), then keep
     the chosen point only if it retrieves the original's pass keys (plan/longrange.py)."""
     recipe = inputs.recipe
@@ -147,9 +147,9 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
     best, curve = fmt.search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored)
     if not recipe.passkey:
         return _Found(best, tuple(curve), baseline, None, net)
-    # Checked in the checkpoint's own dtype, as it will be served and verified: a key at the edge can flip
-    # between dtypes (measured: a bfloat16 search's check kept 10/10, float32 lost one).
-    net = _in_source_dtype(net, inputs.ref, device)
+    # Checked on the search's model, in the dtype sources.models.run_dtype chose, which verify's `auto` chooses
+    # too: a key at the edge can flip between dtypes (measured: a bfloat16 search's check kept 10/10, float32 lost
+    # one), so the check and verify run in one dtype; no second model is read.
     like = next(net.parameters())
 
     def patches_for(p: Point) -> list[dict]:
@@ -167,7 +167,7 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
 
 def _in_source_dtype(net: nn.Module, ref: ModelRef, device: str) -> nn.Module:
     """`net` itself, or the model read again in the source checkpoint's dtype when the search ran in another:
-    what is baked and written, and what the pass keys are checked on."""
+    what is baked and written."""
     stored = source_dtype(ref)
     if next(net.parameters()).dtype == DTYPES[stored]:
         return net

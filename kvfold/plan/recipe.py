@@ -70,10 +70,11 @@ class Recipe(BaseModel):
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).
     context: int | None = Field(default=None, ge=0)
-    # The dtype the model runs in while candidates are scored (bfloat16: ~4x faster on a CPU with AMX, the
-    # usual choice on a GPU). Statistics and factors stay float64, and the written weights keep the source
-    # checkpoint's dtype; the recorded figures are the ones measured in this dtype (verify re-measures).
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The dtype the model runs in while candidates are scored and the pass keys checked (bfloat16: ~4x faster on a
+    # CPU with AMX, the usual choice on a GPU); auto: sources.models.run_dtype's rule, resolved before planning.
+    # Statistics and factors stay float64, and the written weights keep the source checkpoint's dtype; the recorded
+    # figures are the ones measured in this dtype (verify re-measures).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Long context: of the points meeting the target, choose the most compressed that retrieves as many pass
     # keys in prompts of this many tokens (capped at the model's context) as the original (plan/longrange.py).
     # 0: skip (an export for short contexts only).

@@ -1,10 +1,12 @@
-"""Model resolution: a local HF folder or an alias of the embedded default; identity and loading."""
+"""Model resolution: a local HF folder, an alias of the embedded default or a Hugging Face Hub id; identity, the
+dtype a model runs in (`run_dtype`, the one rule), and loading."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +17,12 @@ from kvfold.adapters import Adapter, get_adapter
 from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
 from kvfold.sources.embedded import ALIASES, ensure_embedded
+from kvfold.sources.hub import HubModel, is_hub_id, snapshot
 
-__all__ = ["DEVICES", "DTYPES", "ModelRef", "fast_dtype", "load_model", "resolve_device", "resolve_model",
-           "source_dtype", "weights_sha256"]
+__all__ = ["DEVICES", "DTYPES", "ModelRef", "load_model", "native_half", "resolve_device", "resolve_model",
+           "run_dtype", "source_dtype", "weights_sha256"]
+
+log = logging.getLogger(__name__)
 
 # The dtype the model *runs* in while kvfold measures it (--dtype). Statistics and factors are float64
 # whatever it is, and an export's weights keep the source checkpoint's dtype (export.py).
@@ -32,14 +37,22 @@ class ModelRef:
     path: Path  # the local HF folder
     architecture: str
     adapter: Adapter
+    hub: HubModel | None = None  # a Hub id's repository and the commit its snapshot holds
 
 
 def resolve_model(spec: str) -> ModelRef:
-    """Check a model argument before any heavy work: folder, config, supported architecture."""
-    path = ensure_embedded(spec) if spec in ALIASES else Path(spec)
+    """Check a model argument before any heavy work: folder, config, supported architecture. An alias, then a
+    folder that exists, then a Hub id (`org/name[@revision]`, its snapshot in the Hugging Face cache)."""
+    hub = None
+    if spec in ALIASES:
+        path = ensure_embedded(spec)
+    elif Path(spec).exists() or not is_hub_id(spec):
+        path = Path(spec)
+    else:
+        path, hub = snapshot(spec)
     if not path.exists():
-        raise KVFoldError(f"model path '{spec}' does not exist; give a local HF model folder or "
-                          f"one of: {', '.join(ALIASES)}")
+        raise KVFoldError(f"model path '{spec}' does not exist; give a local HF model folder, a Hugging Face Hub "
+                          f"id (org/name[@revision]) or one of: {', '.join(ALIASES)}")
     if not path.is_dir() or not (path / "config.json").is_file():
         raise KVFoldError(f"'{spec}' is not a HF model folder (no config.json); give a folder written "
                           "by save_pretrained")
@@ -52,7 +65,7 @@ def resolve_model(spec: str) -> ModelRef:
         raise KVFoldError(f"{path / 'config.json'} names no architecture; re-save it with save_pretrained")
     if not _weight_files(path):
         raise KVFoldError(f"'{spec}' has no weight files (*.safetensors or *.bin)")
-    return ModelRef(spec=spec, path=path, architecture=archs[0], adapter=get_adapter(archs[0]))
+    return ModelRef(spec=spec, path=path, architecture=archs[0], adapter=get_adapter(archs[0]), hub=hub)
 
 
 def resolve_device(spec: str) -> str:
@@ -71,8 +84,9 @@ def load_model(ref: ModelRef, dtype: str = "float32", device: str = "cpu"):
     bfloat16 never exists in float32), then moved."""
     from transformers import AutoModelForCausalLM
 
+    safetensors = {"use_safetensors": True} if ref.hub else {}  # a Hub model: never pickle
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=DTYPES[dtype], **safetensors)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise KVFoldError(f"cannot load model '{ref.spec}': {first}") from None
@@ -86,21 +100,39 @@ def source_dtype(ref: ModelRef) -> str:
     return declared if declared in DTYPES else "float32"
 
 
-def fast_dtype(dtype: str, device: str = "cpu") -> str:
-    """`dtype` to run a model in where it is fast, else float32. A CPU without native half-precision instructions
-    (AVX512-BF16, AMX) multiplies bfloat16 on a fallback path: 0.3 GFLOP/s against float32's 29 on a 2-core AVX2
-    EPYC (measured 2026-11-27), so a 1.5B model's 512-token window took minutes instead of seconds."""
-    if dtype == "float32" or device != "cpu" or _cpu_half_is_fast(dtype):
-        return dtype
+def run_dtype(ref: ModelRef, requested: str = "auto", device: str = "cpu") -> str:
+    """The dtype a model runs in, in every stage (calibrate, the search, the pass keys, verify): the one rule.
+    An explicit --dtype wins; `auto` is the checkpoint's own dtype on CUDA and on a CPU with native instructions
+    for it (bfloat16: AVX512-BF16 or AMX), else float32. Without them a CPU multiplies bfloat16 on a fallback path:
+    0.3 GFLOP/s against float32's 29 on a 2-core AVX2 EPYC (measured 2026-11-27), so a 1.5B model's 512-token
+    window took minutes instead of seconds. Logged, with why: at INFO where auto chose for a half-precision
+    checkpoint, at DEBUG where nothing was chosen (--dtype given, or a float32 checkpoint)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise KVFoldError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got '{requested}'")
+        log.debug("dtype: %s (--dtype)", requested)
+        return requested
+    own = source_dtype(ref)
+    if own == "float32":
+        log.debug("dtype: float32, the model's own (--dtype auto)")
+        return own
+    if device != "cpu" or native_half(own):
+        why = "CUDA" if device != "cpu" else f"this CPU multiplies {own} natively"
+        log.info("dtype: %s, the model's own (--dtype auto: %s)", own, why)
+        return own
+    log.info("dtype: float32 (--dtype auto): the model is %s, and this CPU has no native %s instructions "
+             "(AVX512-BF16, AMX), where it runs ~100x slower; --dtype %s forces it", own, own, own)
     return "float32"
 
 
 @functools.cache
-def _cpu_half_is_fast(dtype: str) -> bool:
-    """Whether a `dtype` matmul runs at least half as fast as float32 here, measured once (~0.6 s where it is slow,
+def native_half(dtype: str) -> bool:
+    """Whether this CPU multiplies `dtype` (bfloat16, float16) natively, the question `run_dtype` asks: whether a
+    `dtype` matmul runs at least half as fast as float32 here, measured once (~0.6 s where it is slow,
     11x slower at this size): what the CPU's instructions allow, asked of torch by doing rather than by its private
     CPU probes. Smaller products do not tell (128×256×256: 1.7x; float32 is not yet at full speed there)."""
-    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    g = torch.Generator().manual_seed(0)  # not the global generator: asking must not move anyone's seed
+    a, b = torch.randn(256, 512, generator=g), torch.randn(512, 512, generator=g)
 
     def seconds(dt: torch.dtype) -> float:
         x, y = a.to(dt), b.to(dt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold.sources.models import DTYPES, resolve_device, resolve_model
+from kvfold.sources.models import DTYPES, resolve_device, resolve_model, run_dtype
 from kvfold.sources.text import resolve_text
 from kvfold.verify.integrity import integrity_checks
 from kvfold.verify.report import VerifyReport
@@ -19,11 +19,11 @@ DEFAULT_TEXTS = ("wiki:eval", "pydoc:eval")  # held-out text of the search's dom
 
 def verify(export: Path, against: str | None = None, eval_texts: list[str] | tuple[str, ...] = DEFAULT_TEXTS,
            eval_tokens: int = 16384, context: int = SEARCH_CONTEXT, passkey: int = 4096,
-           dtype: str = "float32", device: str = "auto", new_tokens: int = 32) -> VerifyReport:
+           dtype: str = "auto", device: str = "auto", new_tokens: int = 32) -> VerifyReport:
     """Scores `eval_tokens` of each text in windows of `context` tokens, passkey retrieval in prompts of
-    `passkey` tokens (0: skip) and `new_tokens` greedy tokens of a few prompts, both models in `dtype` on
-    `device`. Raises KVFoldError for bad input (not an export, source model not found); failed checks are in
-    the report."""
+    `passkey` tokens (0: skip) and `new_tokens` greedy tokens of a few prompts, both models in `dtype` (auto:
+    sources.models.run_dtype's rule for the source, as export ran it) on `device`. Raises KVFoldError for bad
+    input (not an export, source model not found); failed checks are in the report."""
     export = Path(export)
     if not export.is_dir():
         raise KVFoldError(f"'{export}' is not a directory; pass the output of kvfold export")
@@ -37,8 +37,8 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
         raise KVFoldError("--new-tokens must be at least 1")
     if not eval_texts:
         raise KVFoldError("give at least one --eval-text")
-    if dtype not in DTYPES:
-        raise KVFoldError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise KVFoldError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got '{dtype}'")
     device = resolve_device(device)
     for text in eval_texts:
         resolve_text(text)  # a bad name fails now, before any model loads
@@ -47,11 +47,13 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
     if not report.ok:
         return report
     spec = against or manifest.source.path
-    if against is None and not Path(spec).is_dir():
+    if against is None and not Path(spec).is_dir() and manifest.source.hub_id:  # the Hub's copy, at its commit
+        spec = f"{manifest.source.hub_id}@{manifest.source.revision}"
+    elif against is None and not Path(spec).is_dir():
         raise KVFoldError(f"the source model {spec} recorded in the manifest is not on this machine; "
                           "pass --against MODEL")
     ref = resolve_model(spec)
     report.against = str(ref.path)
     serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens, context, passkey,
-                   new_tokens=new_tokens, dtype=dtype, device=device)
+                   new_tokens=new_tokens, dtype=run_dtype(ref, dtype, device), device=device)
     return report
