@@ -22,7 +22,15 @@ from kvfold.export import ExportResult, export
 from kvfold.io import atomic_dir
 from kvfold.plan.recipe import Recipe, RecipeOverrides, load_recipe
 from kvfold.progress import progress
-from kvfold.sources.models import DTYPES, load_model, resolve_device, resolve_model, run_dtype, weights_sha256
+from kvfold.sources.models import (
+    DTYPES,
+    check_device_map,
+    load_model,
+    resolve_device,
+    resolve_model,
+    run_dtype,
+    weights_sha256,
+)
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify import DEFAULT_TEXTS, VerifyReport, verify
@@ -75,6 +83,7 @@ def calibrate(
     seed: int = 0,
     dtype: str = "auto",
     device: str = "auto",
+    device_map: str | None = None,
     force: bool = False,
 ) -> CalibResult:
     """Measure per-head attention statistics of `model` and write them to `output` atomically (its batches'
@@ -91,6 +100,7 @@ def calibrate(
         seed=seed,
     )
     _check_choice("--dtype", dtype, ("auto", *DTYPES))
+    check_device_map(device_map)
     output = Path(output)
     ref = resolve_model(model)
     device = resolve_device(device)
@@ -99,7 +109,7 @@ def calibrate(
 
     with atomic_dir(output, force=force) as tmp:
         t0 = time.perf_counter()
-        net = load_model(ref, options.dtype, device)
+        net = load_model(ref, options.dtype, device, device_map)
         layout = HeadLayout.from_config(net.config)
         identity = ModelIdentity(
             spec=model, path=str(ref.path.resolve()), architecture=ref.architecture,

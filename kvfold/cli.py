@@ -28,6 +28,9 @@ app = typer.Typer(
 _DTYPE = ("auto (the model's own on CUDA and on a CPU with native bfloat16, AVX512-BF16/AMX; else float32), "
           "float32, bfloat16 or float16")
 
+_DEVICE_MAP = ("auto: a model too large for the device, placed by accelerate over the GPUs, the CPU and the disk "
+               "(KVFOLD_MAX_MEMORY caps each, e.g. '0=20GiB,cpu=60GiB') [one device].")
+
 
 def _default(option: str) -> str:
     """An export option's default as its help shows it, e.g. "[16384]": read from the Recipe, where it is defined."""
@@ -65,6 +68,7 @@ def calibrate(
     dtype: Annotated[str, typer.Option(help=f"Model dtype while running: {_DTYPE} (statistics are float64 either "
                                          "way).")] = "auto",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
+    device_map: Annotated[str | None, typer.Option(help=_DEVICE_MAP)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Measure post-RoPE Q/K, V and attention-output statistics per head (float64 Grams)."""
@@ -74,7 +78,7 @@ def calibrate(
     with user_errors():
         result = api.calibrate(model, output, source=source, text=text, tokens=tokens, seq_len=seq_len,
                                batch=batch, prune_fraction=prune, kmeans=kmeans, seed=seed, dtype=dtype,
-                               device=device, force=force)
+                               device=device, device_map=device_map, force=force)
     out.print(calib_summary(result))
 
 
@@ -129,6 +133,7 @@ def export(
                                            "rank's KV heads hold equal widths, no rank pads its cache "
                                            f"{_default('tp')}.")] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
+    device_map: Annotated[str | None, typer.Option(help=_DEVICE_MAP)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
 ) -> None:
     """Search per-head ranks for the target, bake them into the weights, write a HF checkpoint."""
@@ -143,6 +148,7 @@ def export(
             format=format, context=context, dtype=dtype, passkey=passkey, tp=tp))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
+                            device_map=device_map,
                             log=lambda line: err.print(f"export [{time.monotonic() - t0:6.0f} s] {line}"))
     out.print(export_summary(result))
 
@@ -163,6 +169,7 @@ def verify(
                                                  "of the first text, compared.")] = 32,
     dtype: Annotated[str, typer.Option(help=f"Dtype both models run in: {_DTYPE}.")] = "auto",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
+    device_map: Annotated[str | None, typer.Option(help=_DEVICE_MAP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Check files, shapes, fidelity against the original, passkey retrieval and live KV-cache bytes. Exit 0
@@ -173,7 +180,7 @@ def verify(
     with user_errors():
         report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
                             eval_tokens=eval_tokens, context=context, passkey=passkey, dtype=dtype,
-                            device=device, new_tokens=new_tokens)
+                            device=device, new_tokens=new_tokens, device_map=device_map)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -13,7 +13,7 @@ from kvfold.plan.planner import plan_export
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.reuse import check_inputs
 from kvfold.rewrite.bake import bake
-from kvfold.sources.models import resolve_device, resolve_model, run_dtype
+from kvfold.sources.models import check_device_map, resolve_device, resolve_model, run_dtype
 
 __all__ = ["ExportResult", "export"]
 
@@ -25,22 +25,24 @@ class ExportResult:
 
 
 def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve: Path | None = None,
-           force: bool = False, device: str = "auto", log: Callable[[str], None] = lambda line: None) -> ExportResult:
+           force: bool = False, device: str = "auto", device_map: str | None = None,
+           log: Callable[[str], None] = lambda line: None) -> ExportResult:
     """Choose per-head ranks for the recipe's target, bake them, write a checkpoint atomically.
 
     The model runs in recipe.dtype (auto: sources.models.run_dtype's rule) on `device` (auto: CUDA when
-    present), the pass-key check included; the baked weights are written in
+    present; `device_map` "auto": placed by accelerate, sources.models.from_pretrained), the pass-key check
+    included; the baked weights are written in
     the source checkpoint's dtype, from weights read in that dtype.
 
     With `reuse_curve` (a previous export of the same model, calibration, method and rounding), the
     point is picked from its recorded curve and nothing is evaluated again. `log` gets one plain line
     per stage and per scored candidate."""
-    ref, device = resolve_model(model), resolve_device(device)
+    ref, device, device_map = resolve_model(model), resolve_device(device), check_device_map(device_map)
     recipe = recipe.model_copy(update={"dtype": run_dtype(ref, recipe.dtype, device)})  # what --reuse-curve checks
     previous = Manifest.load(Path(reuse_curve)).previous_export(Path(reuse_curve)) if reuse_curve else None
     inputs = check_inputs(ref, Path(calib), recipe, previous)  # before any output exists: bad input fails at once
     with atomic_dir(Path(output), force=force) as tmp:
-        plan = plan_export(inputs, device, log)
+        plan = plan_export(inputs, device, log, device_map)
         log(f"chosen: {plan.chosen.describe(recipe.eval_text)}; writing the checkpoint")
         baked = bake(plan.model, ref.adapter, list(plan.factors))
         manifest = Manifest.from_plan(plan, baked, source=SourceModel.of(ref, inputs.weights_sha256),

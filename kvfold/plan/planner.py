@@ -50,17 +50,18 @@ class _Found(NamedTuple):
     model: nn.Module  # the model the search and the pass-key check ran
 
 
-def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda line: None) -> ExportPlan:
+def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda line: None,
+                device_map: str | None = None) -> ExportPlan:
     """Choose the point for the recipe's target and everything baking it needs.
 
-    The model runs in recipe.dtype on `device`; the plan's model is in the source checkpoint's dtype. With a
-    previous export (inputs.previous), the point is picked from its recorded curve and nothing is evaluated.
-    `log` gets one plain line per stage and per scored candidate. What differs between cache formats, the
-    recipe's format object decides (plan/formats)."""
+    The model runs in recipe.dtype on `device` (with `device_map`, placed by accelerate); the plan's model is in
+    the source checkpoint's dtype. With a previous export (inputs.previous), the point is picked from its recorded
+    curve and nothing is evaluated. `log` gets one plain line per stage and per scored candidate. What differs
+    between cache formats, the recipe's format object decides (plan/formats)."""
     ref, recipe, previous, identity = inputs.ref, inputs.recipe, inputs.previous, inputs.stats.header.model
     fmt = get_format(recipe.format)
     target = recipe.target()
-    net = load_model(ref, recipe.dtype, device)
+    net = load_model(ref, recipe.dtype, device, device_map)
     method = get_method(recipe.method)
     positions = context_positions(recipe, previous, net, ref.adapter.rope)
     fitted = fitted_statistics(inputs.stats, net, positions)  # RoPE: every position up to the context, not 0–511
@@ -167,8 +168,11 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
 
 def _in_source_dtype(net: nn.Module, ref: ModelRef, device: str) -> nn.Module:
     """`net` itself, or the model read again in the source checkpoint's dtype when the search ran in another:
-    what is baked and written."""
+    what is baked and written. A model placed by accelerate (--device-map) is read again whole on the CPU: baking
+    reads and replaces weights that its offloaded layers do not hold outside their forward passes."""
     stored = source_dtype(ref)
+    if len(set((getattr(net, "hf_device_map", None) or {}).values())) > 1:
+        return load_model(ref, stored, "cpu")
     if next(net.parameters()).dtype == DTYPES[stored]:
         return net
     return load_model(ref, stored, device)

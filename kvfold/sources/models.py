@@ -7,7 +7,11 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +23,8 @@ from kvfold.io import sha256_file
 from kvfold.sources.embedded import ALIASES, ensure_embedded
 from kvfold.sources.hub import HubModel, is_hub_id, snapshot
 
-__all__ = ["DEVICES", "DTYPES", "ModelRef", "load_model", "native_half", "resolve_device", "resolve_model",
-           "run_dtype", "source_dtype", "weights_sha256"]
+__all__ = ["DEVICES", "DEVICE_MAPS", "DTYPES", "ModelRef", "check_device_map", "from_pretrained", "load_model",
+           "native_half", "resolve_device", "resolve_model", "run_dtype", "source_dtype", "weights_sha256"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,7 @@ log = logging.getLogger(__name__)
 # whatever it is, and an export's weights keep the source checkpoint's dtype (export.py).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
+DEVICE_MAPS = ("auto",)  # --device-map: accelerate places the layers over the GPUs, the CPU and the disk
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -79,18 +84,60 @@ def resolve_device(spec: str) -> str:
     return ("cuda" if cuda else "cpu") if spec == "auto" else spec
 
 
-def load_model(ref: ModelRef, dtype: str = "float32", device: str = "cpu"):
+def load_model(ref: ModelRef, dtype: str = "float32", device: str = "cpu", device_map: str | None = None):
     """The model in `dtype` on `device`. Weights are read once, straight into `dtype` (an 8B model in
-    bfloat16 never exists in float32), then moved."""
+    bfloat16 never exists in float32), then moved; with `device_map` placed by accelerate (from_pretrained)."""
+    safetensors = {"use_safetensors": True} if ref.hub else {}  # a Hub model: never pickle
+    return from_pretrained(ref.path, dtype, device, device_map, name=ref.spec, **safetensors)
+
+
+def check_device_map(device_map: str | None) -> str | None:
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise KVFoldError(f"--device-map must be {' or '.join(DEVICE_MAPS)}, got '{device_map}'")
+    return device_map
+
+
+def from_pretrained(path: Path, dtype: str, device: str, device_map: str | None = None, *, name: str | None = None,
+                    **kwargs):
+    """AutoModelForCausalLM.from_pretrained(path) in `dtype`, in eval mode, on `device`; or with device_map "auto"
+    placed by accelerate over the memory it may use (accelerate's own estimate, or KVFOLD_MAX_MEMORY, e.g.
+    "0=20GiB,cpu=60GiB"; with --device cpu the CPU's alone), the rest offloaded to a temporary folder and read back
+    layer by layer in each forward pass. Everything then runs on one device (`device`, where accelerate's hooks
+    bring each layer), and the embeddings must be there: inputs and kvfold's attention patches go where they are."""
     from transformers import AutoModelForCausalLM
 
-    safetensors = {"use_safetensors": True} if ref.hub else {}  # a Hub model: never pickle
+    placed: dict = {}
+    if device_map is not None:
+        placed = dict(device_map=check_device_map(device_map), max_memory=_max_memory(device),
+                      offload_folder=tempfile.mkdtemp(prefix="kvfold-offload-"))
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=DTYPES[dtype], **safetensors)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placed, **kwargs)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise KVFoldError(f"cannot load model '{ref.spec}': {first}") from None
-    return model.to(device).eval()
+        raise KVFoldError(f"cannot load model '{name or path}': {first}") from None
+    if not placed:
+        return model.to(device).eval()
+    weakref.finalize(model, shutil.rmtree, placed["offload_folder"], ignore_errors=True)  # gone with the model
+    first = next(model.parameters())
+    if first.device.type == "meta":
+        raise KVFoldError(f"--device-map auto: the memory given leaves no room on {device} for the embeddings of "
+                          f"'{name or path}' (all offloaded); raise KVFOLD_MAX_MEMORY")
+    log.info("--device-map auto: %s", ", ".join(f"{n or 'model'} on {d}" for n, d in model.hf_device_map.items()))
+    return model.eval()
+
+
+def _max_memory(device: str) -> dict:
+    """KVFOLD_MAX_MEMORY ("0=20GiB,cpu=60GiB") or accelerate's estimate; with --device cpu only the CPU's entry."""
+    from accelerate.utils import get_max_memory
+
+    given = os.environ.get("KVFOLD_MAX_MEMORY", "").strip()
+    try:
+        raw = {(int(k) if k.strip().isdigit() else k.strip()): v.strip()
+               for k, v in (item.split("=", 1) for item in given.split(","))} if given else None
+        memory = get_max_memory(raw)
+    except (ValueError, TypeError) as e:
+        raise KVFoldError(f"KVFOLD_MAX_MEMORY='{given}' is not like '0=20GiB,cpu=60GiB': {e}") from None
+    return {k: v for k, v in memory.items() if k in ("cpu", "disk")} if device == "cpu" else memory
 
 
 def source_dtype(ref: ModelRef) -> str:

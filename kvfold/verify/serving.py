@@ -17,7 +17,7 @@ from kvfold.measure.evaluate import Reference, score_model
 from kvfold.measure.passkey import passkey_answers, passkey_length, passkey_prompts, passkey_summary
 from kvfold.plan.point import Point
 from kvfold.progress import progress
-from kvfold.sources.models import DTYPES, ModelRef, load_model, weights_sha256
+from kvfold.sources.models import ModelRef, from_pretrained, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 from kvfold.verify.report import Check, VerifyReport
@@ -41,11 +41,9 @@ KV_BYTES_TOKENS = 128  # tokens whose live cache the kv_bytes check weighs (past
 SEARCH_CONTEXT = 512  # the window length export's search scores (calib.tokens windows)
 
 
-def load_served(directory: Path, dtype: str = "float32", device: str = "cpu"):
+def load_served(directory: Path, dtype: str = "float32", device: str = "cpu", device_map: str | None = None):
     require_runtime()
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPES[dtype]).to(device).eval()
+    return from_pretrained(directory, dtype, device, device_map)
 
 
 def _live_cache(model, ids: torch.Tensor):
@@ -112,15 +110,17 @@ def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> l
 
 def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: VerifyReport, eval_texts: list[str],
                    eval_tokens: int, context: int = SEARCH_CONTEXT, passkey: int = 0, new_tokens: int = 32,
-                   dtype: str = "float32", device: str = "cpu") -> None:
+                   dtype: str = "float32", device: str = "cpu", device_map: str | None = None) -> None:
     """Fill `report` with the served export's figures and checks: windows of `context` tokens, passkey
-    prompts of `passkey` tokens (0: none); both models run in `dtype` on `device`."""
+    prompts of `passkey` tokens (0: none); both models run in `dtype` on `device` (with `device_map`, each placed
+    by accelerate)."""
     if weights_sha256(against.path) != m.source.weights_sha256:
         report.checks.append(Check("against", False, f"{against.path} is not the model this was exported from "
                                                      "(weights sha256 differ); pass --against the source"))
         return
     tokenizer = load_tokenizer(directory)
-    original, served = load_model(against, dtype, device), load_served(directory, dtype, device)
+    original = load_model(against, dtype, device, device_map)
+    served = load_served(directory, dtype, device, device_map)
     report.checks.append(Check("loads", type(served).__name__.startswith("KVFold"),
                                f"transformers loads it as {type(served).__name__}"))
     report.metric, report.target = m.metric, m.target

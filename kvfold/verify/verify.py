@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold.sources.models import DTYPES, resolve_device, resolve_model, run_dtype
+from kvfold.sources.models import DTYPES, check_device_map, resolve_device, resolve_model, run_dtype
 from kvfold.sources.text import resolve_text
 from kvfold.verify.integrity import integrity_checks
 from kvfold.verify.report import VerifyReport
@@ -19,10 +19,12 @@ DEFAULT_TEXTS = ("wiki:eval", "pydoc:eval")  # held-out text of the search's dom
 
 def verify(export: Path, against: str | None = None, eval_texts: list[str] | tuple[str, ...] = DEFAULT_TEXTS,
            eval_tokens: int = 16384, context: int = SEARCH_CONTEXT, passkey: int = 4096,
-           dtype: str = "auto", device: str = "auto", new_tokens: int = 32) -> VerifyReport:
+           dtype: str = "auto", device: str = "auto", new_tokens: int = 32,
+           device_map: str | None = None) -> VerifyReport:
     """Scores `eval_tokens` of each text in windows of `context` tokens, passkey retrieval in prompts of
     `passkey` tokens (0: skip) and `new_tokens` greedy tokens of a few prompts, both models in `dtype` (auto:
-    sources.models.run_dtype's rule for the source, as export ran it) on `device`. Raises KVFoldError for bad
+    sources.models.run_dtype's rule for the source, as export ran it) on `device` (`device_map` "auto": each
+    placed by accelerate). Raises KVFoldError for bad
     input (not an export, source model not found); failed checks are in the report."""
     export = Path(export)
     if not export.is_dir():
@@ -39,7 +41,7 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
         raise KVFoldError("give at least one --eval-text")
     if dtype != "auto" and dtype not in DTYPES:
         raise KVFoldError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got '{dtype}'")
-    device = resolve_device(device)
+    device, device_map = resolve_device(device), check_device_map(device_map)
     for text in eval_texts:
         resolve_text(text)  # a bad name fails now, before any model loads
     manifest, checks = integrity_checks(export)
@@ -55,5 +57,5 @@ def verify(export: Path, against: str | None = None, eval_texts: list[str] | tup
     ref = resolve_model(spec)
     report.against = str(ref.path)
     serving_checks(export, manifest, ref, report, list(eval_texts), eval_tokens, context, passkey,
-                   new_tokens=new_tokens, dtype=run_dtype(ref, dtype, device), device=device)
+                   new_tokens=new_tokens, dtype=run_dtype(ref, dtype, device), device=device, device_map=device_map)
     return report
