@@ -261,7 +261,8 @@ def openai(
 @app.command()
 def compile(  # the command's name
     shape: Annotated[str, typer.Option(help="smollm2 or qwen2.5-coder-1.5b (real weights), llama3-8b or qwen2-7b "
-                                       "(exact configs, seeded random weights).")] = "smollm2",
+                                       "(exact configs, seeded random weights), or any MODEL (a folder or Hub id "
+                                       "org/name[@revision], real weights).")] = "smollm2",
     fmt: Annotated[str, typer.Option("--format", help="The export's format: rank or bits.")] = "rank",
     device: Annotated[str, typer.Option(help="auto (CUDA when torch sees one), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Model dtype while calibrating and searching.")] = "bfloat16",

@@ -85,8 +85,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int, fmt: str = "rank") -> dict:
     from kvfold.sources.models import DTYPES, resolve_device
 
-    if shape not in SHAPES:
-        raise KVFoldError(f"--shape must be one of {', '.join(SHAPES)}, got '{shape}'")
+    if shape not in SHAPES:  # any other MODEL (a folder or a Hugging Face Hub id): its real weights
+        from kvfold.sources.models import resolve_model
+
+        try:
+            resolve_model(shape)
+        except KVFoldError as e:
+            raise KVFoldError(f"--shape must be one of {', '.join(SHAPES)} or a model: {e}") from None
     for flag, value in (("--dtype", dtype), ("--verify-dtype", verify_dtype)):
         if value not in DTYPES:
             raise KVFoldError(f"{flag} must be one of {', '.join(DTYPES)}, got '{value}'")
@@ -105,7 +110,7 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
         build_s = time.perf_counter() - t0
         calib, out = root / "calib", root / "export"
         common = ["--device", device]
-        random = SHAPES[shape] is not None
+        random = SHAPES.get(shape) is not None
         target = ["--accuracy", "1e-6", "--metric", "ppl", "--margin", "0"] if random else ["--accuracy", "0.99"]
         calib_text, search, checked = TEXTS.get(shape, ("wiki:calib", None, ()))
         search_args = [] if search is None else ["--eval-text", search]
@@ -152,8 +157,8 @@ def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
     default's tokenizer: only its tokenizer files are read, so a GPU machine needs no copy of its weights)."""
     from kvfold.sources.embedded import ensure_embedded
 
-    if SHAPES[shape] is None:
-        return shape  # a real model's alias
+    if SHAPES.get(shape) is None:
+        return shape  # a real model: an alias, a folder or a Hub id
     smollm2 = ensure_embedded("smollm2")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
