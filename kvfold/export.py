@@ -44,7 +44,8 @@ def export(model: str, calib: Path, output: Path, recipe: Recipe, *, reuse_curve
     with atomic_dir(Path(output), force=force) as tmp:
         plan = plan_export(inputs, device, log, device_map)
         log(f"chosen: {plan.chosen.describe(recipe.eval_text)}; writing the checkpoint")
-        baked = bake(plan.model, ref.adapter, list(plan.factors))
+        # in place: the plan's model is not run again, and the export never holds a second model (issue 52)
+        baked = bake(plan.model, ref.adapter, list(plan.factors), in_place=True)
         manifest = Manifest.from_plan(plan, baked, source=SourceModel.of(ref, inputs.weights_sha256),
                                       calibration=Calibration.of(inputs.stats.header))
         manifest = write_checkpoint(baked, ref.path, manifest, tmp)

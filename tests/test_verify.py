@@ -277,3 +277,28 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
     assert report["kv_bytes_per_token"]["exported"] == per_token
     assert_user_error(run("export", tiny_dirs[LLAMA], "--calib", calib, "--ratio", 0.5, "--format", "bits",
                       "-o", tmp_path / "x"), "--accuracy or --max-kl", tmp_path / "x")
+
+
+def test_verify_holds_the_unchanged_weights_once(tiny_dirs, exported):
+    """Issue 52: the original verify compares against is built around the served model's tensors; only the
+    attention projections the export changed are its own, and it computes what the source loaded alone does."""
+    import torch
+
+    from kvfold.sources.models import load_model, resolve_model
+    from kvfold.verify.pair import load_original_beside, shared_parameters
+    from kvfold.verify.serving import load_served
+
+    ref = resolve_model(str(tiny_dirs[LLAMA]))
+    served = load_served(exported[0])
+    original = load_original_beside(served, ref)
+    alone = load_model(ref)
+    shared, total = shared_parameters(original, served)
+    own = {n for n, p in original.named_parameters() if p.data_ptr() != dict(served.named_parameters())[n].data_ptr()}
+    assert own and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for n in own)
+    assert shared == total - len(own) and shared > len(own)
+    assert type(original) is type(alone) and original.generation_config == alone.generation_config
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(original(input_ids=ids).logits, alone(input_ids=ids).logits)
+    assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(), alone.state_dict().values(),
+                                                   strict=True))

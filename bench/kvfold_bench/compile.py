@@ -61,6 +61,49 @@ atexit.register(write_peak)
 runpy.run_module("kvfold", run_name="__main__", alter_sys=True)
 """
 
+# The stages' activations, measured apart (issue 52): one process loads the model as a stage does, then runs
+# one piece of each stage's work at its real size, each from a reset high-water mark (/proc/self/clear_refs "5"):
+# the peak above the RSS before it is that piece's working memory. calibrate: one batch of calibration
+# (calib.run.collect, 8 × 512 tokens); score: one batch of 4 × 512-token windows scored (the search's and verify's
+# batch); passkey: one pass-key prompt of the check's length (4,096 tokens). Arguments: MODEL DTYPE DEVICE OUT.
+_PROBE = """\
+import json, sys
+import torch
+from kvfold.adapters import HeadLayout
+from kvfold.calib.run import collect
+from kvfold.calib.tokens import text_sequences
+from kvfold.measure.evaluate import score_model
+from kvfold.measure.passkey import passkey_answers, passkey_length, passkey_prompts
+from kvfold.sources.models import load_model, resolve_model
+from kvfold.sources.text import resolve_text
+from kvfold.sources.tokenizer import load_tokenizer
+
+model, dtype, device, out = sys.argv[1:5]
+
+
+def status(key):
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+
+
+ref = resolve_model(model)
+net = load_model(ref, dtype, device)
+tokenizer = load_tokenizer(ref.path)
+windows = text_sequences(tokenizer, resolve_text("wiki:dev"), 8 * 512, 512, seed=0)
+seqs = windows.head(8)
+prompt = passkey_prompts(tokenizer, passkey_length(net, 4096))[:1]
+probes = {"calibrate": lambda: collect(net, ref.adapter, seqs, 8),
+          "score": lambda: score_model(net, windows.head(4), 4),
+          "passkey": lambda: passkey_answers(net, prompt)}
+result = {"loaded_rss_kib": status("VmRSS:")}
+for name, run in probes.items():
+    before = status("VmRSS:")
+    open("/proc/self/clear_refs", "w").write("5")
+    with torch.inference_mode():
+        run()
+    result[name + "_kib"] = status("VmHWM:") - before
+json.dump(result, open(out, "w"))
+"""
+
 _LLAMA_TOKENS = dict(bos_token_id=1, eos_token_id=2)  # SmolLM2's tokenizer's ids
 SHAPES: dict[str, dict | None] = {
     "smollm2": None,  # the real weights
@@ -133,6 +176,9 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
 
         manifest = json.loads((out / MANIFEST).read_text())
         report = json.loads(results[-1].pop("stdout") or "{}")
+        model_bytes = _model_bytes(model)
+        activations = _activations(model, dtype, device, root)
+    _bound(results, model_bytes, activations)
     scored = results[1]["candidates_scored"]
     for r in results:
         r.pop("stdout", None)
@@ -143,6 +189,7 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
         "verify_dtype": verify_dtype, "tokens": tokens, "threads": _threads(), "build_model_s": round(build_s, 1),
         "stages": results, "total_s": round(sum(r["wall_s"] for r in results), 1),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+        "model_mib": round(model_bytes / 2**20, 1), "activations_mib": activations, "rss_bound": _BOUND_NOTE,
         "cuda_peak_mib": max((r["cuda_peak_mib"] or 0) for r in results) if device == "cuda" else None,
         "export": {"candidates_scored": scored, "allocation": manifest["allocation"],
                    "compression": manifest["chosen"]["compression"], "target": manifest["target"]},
@@ -178,6 +225,41 @@ def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
         if (smollm2 / name).is_file():
             shutil.copy(smollm2 / name, folder / name)
     return str(folder)
+
+
+# Issue 52's bound on each stage's peak RSS: the model's bytes once, 30% for everything else the process holds
+# (Python, torch and transformers themselves, the statistics, the tokenizer), plus the stage's activations
+# (_PROBE): export's and verify's are one scored batch or one pass-key prompt, whichever is larger.
+_SLACK = 1.3
+_STAGE_PROBES = {"calibrate": ("calibrate",), "export": ("score", "passkey"), "verify": ("score", "passkey")}
+_BOUND_NOTE = (f"peak RSS of a stage <= {_SLACK} x the model's weight files + the stage's activations (the larger of "
+               "its probes in activations_mib, each measured apart on the model loaded alone)")
+
+
+def _model_bytes(model: str) -> int:
+    """The bytes of the model's weight files, as the stages load them."""
+    from kvfold.sources.models import resolve_model
+
+    return sum(p.stat().st_size for p in resolve_model(model).path.glob("*.safetensors"))
+
+
+def _activations(model: str, dtype: str, device: str, root: Path) -> dict:
+    """_PROBE in a process of its own: MiB of RSS after loading, and each probe's working memory."""
+    out = root / "probe.json"
+    done = subprocess.run([sys.executable, "-c", _PROBE, model, dtype, device, str(out)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise KVFoldError(f"bench compile: the activation probe failed: {done.stderr.strip().splitlines()[-1:]}")
+    return {k.removesuffix("_kib") + "_mib": round(v / 1024, 1) for k, v in json.loads(out.read_text()).items()}
+
+
+def _bound(results: list[dict], model_bytes: int, activations: dict) -> None:
+    """Each stage's activations, its RSS bound and whether its peak is within it (in place)."""
+    for r in results:
+        act = max(activations[f"{p}_mib"] for p in _STAGE_PROBES[r["stage"]])
+        bound = _SLACK * model_bytes / 2**20 + act
+        r.update(activations_mib=act, rss_bound_mib=round(bound, 1), within_bound=r["peak_rss_mib"] <= bound,
+                 peak_over_model=round(r["peak_rss_mib"] / (model_bytes / 2**20), 2))
 
 
 def _timed(name: str, args: list[str], root: Path) -> dict:

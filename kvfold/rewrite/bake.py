@@ -1,4 +1,4 @@
-"""Bake factors into weights: a copy of the model whose projections have the compressed widths.
+"""Bake factors into weights: the model (itself, or a copy) with projections of the compressed widths.
 
 Every projection is handled as W [in, out] (nn.Linear stores [out, in], GPT-2's Conv1D [in, out]).
 Per KV head g / query head h (see factors/base.py):
@@ -9,6 +9,8 @@ Per KV head g / query head h (see factors/base.py):
                `kvfold_k_shift` [H_kv · d] where the factors carry one (subtracted before B_g).
   no RoPE:     q_proj cols of head h ← W_q^h A_h, k_proj cols of head g ← W_k^g B_g (biases too).
 Products are formed in float64 on the weights' device and cast to the model's dtype once, at the end.
+In place (export), one layer's attention projections at a time are replaced: besides the model, only that
+layer's float64 products exist (a few [hidden, hidden] matrices); every other tensor is the model's own.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ def _heads_out(w, b, mats: list[torch.Tensor], d: int):
     return w2, b2
 
 
-def bake(model: nn.Module, adapter: Adapter, factors: list[LayerFactors]) -> nn.Module:
-    """Return a baked deep copy of `model` (the original is untouched)."""
+def bake(model: nn.Module, adapter: Adapter, factors: list[LayerFactors], *, in_place: bool = False) -> nn.Module:
+    """Return `model` baked: a deep copy (the original is untouched), or with `in_place` the model itself, its
+    attention projections replaced layer by layer (what export writes; no second model is ever held)."""
     layout = HeadLayout.from_config(model.config)
     d, dtype, pl = layout.head_dim, next(model.parameters()).dtype, adapter.proj_layout
-    baked = copy.deepcopy(model)
+    baked = model if in_place else copy.deepcopy(model)
     for attn, f in zip(adapter.attention_modules(baked), factors, strict=True):
         if adapter.qkv_fused:
             w, b = _read(getattr(attn, adapter.qkv_fused), pl)

@@ -20,6 +20,7 @@ from kvfold.progress import progress
 from kvfold.sources.models import ModelRef, from_pretrained, load_model, weights_sha256
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
+from kvfold.verify.pair import load_original_beside
 from kvfold.verify.report import Check, VerifyReport
 from kvfold.verify.runtime import require_runtime
 from kvfold_runtime import ConfigBlock
@@ -119,8 +120,10 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
                                                      "(weights sha256 differ); pass --against the source"))
         return
     tokenizer = load_tokenizer(directory)
-    original = load_model(against, dtype, device, device_map)
+    # the original is built around the served model's tensors: the weights the export left unchanged exist once
     served = load_served(directory, dtype, device, device_map)
+    original = (load_model(against, dtype, device, device_map) if device_map  # offloaded tensors: none to share
+                else load_original_beside(served, against, dtype, device))
     report.checks.append(Check("loads", type(served).__name__.startswith("KVFold"),
                                f"transformers loads it as {type(served).__name__}"))
     report.metric, report.target = m.metric, m.target

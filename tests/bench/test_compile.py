@@ -3,6 +3,7 @@ process, and the JSON carries what each one took."""
 
 import json
 
+import pytest
 import torch
 
 from tests.bench.test_cli import run
@@ -26,6 +27,13 @@ def test_compile_times_every_stage(tmp_path):
     # model's 16-dim heads, rounded to 8, fewer distinct rank sets, each scored once)
     assert 2 <= report["export"]["candidates_scored"] <= 10 and report["random_weights"]
     assert report["verify"]["meaningful"] is False and report["cuda_peak_mib"] is None
+    # issue 52: the model's bytes, each stage's activations measured apart, and the bound on its peak RSS
+    act = report["activations_mib"]
+    assert report["model_mib"] > 0 and act["loaded_rss_mib"] > 100 and all(
+        act[f"{p}_mib"] >= 0 for p in ("calibrate", "score", "passkey"))
+    for s in report["stages"]:
+        assert s["rss_bound_mib"] == pytest.approx(1.3 * report["model_mib"] + s["activations_mib"], abs=0.2)
+        assert s["within_bound"] == (s["peak_rss_mib"] <= s["rss_bound_mib"])
 
 
 def test_unknown_shape_and_an_8b_shape_on_the_cpu_are_one_line():

@@ -73,3 +73,27 @@ def test_bake_leaves_the_original_untouched():
          _factors(model, "LlamaForCausalLM", "aware", [[8, 8]] * 2, [[8, 8]] * 2))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.model.layers[0].self_attn.v_proj.weight.shape[0] == 2 * d
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_in_place_bake_holds_one_model(arch, monkeypatch):
+    """What export bakes (issue 52): the model itself, no copy made; its projections are the copy's, bit for bit,
+    and every other tensor keeps its storage."""
+    model = build_tiny(arch)
+    adapter = get_adapter(arch)
+    d = HeadLayout.from_config(model.config).head_dim
+    layers = HeadLayout.from_config(model.config)
+    d_k = [[d - 4] * layers.num_kv_heads] * layers.num_layers
+    factors = _factors(model, arch, "aware", d_k, d_k)
+    want = bake(model, adapter, factors).state_dict()
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    monkeypatch.setattr("kvfold.rewrite.bake.copy.deepcopy", lambda *a, **k: pytest.fail("deepcopy called"))
+    baked = bake(model, adapter, factors, in_place=True)
+    assert baked is model
+    got = baked.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    kept = {n for n, p in baked.named_parameters() if storage.get(n) == p.data_ptr()}
+    projections = {n for n in storage if n not in kept}
+    assert projections and all(any(p in n for p in ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj",
+                                                      "out_proj", "qkv_proj", "dense")) for n in projections)
+    assert len(projections) <= 8 * layers.num_layers  # q/k/v/o weights and biases, nothing else
