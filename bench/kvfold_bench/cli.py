@@ -85,13 +85,28 @@ def kernels(
                                         "checks the command, times nothing meaningful.")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
     png: Annotated[Path | None, typer.Option(help="Draw time ratio vs p here.")] = None,
+    aot: Annotated[str | None, typer.Option(help="Time nothing: compile each decode and prefill kernel (and vLLM's "
+                                            "int4_per_token_head decode) for this GPU arch (sm_90) without a GPU "
+                                            "and report SASS instructions per cached number, registers, spills, "
+                                            "loads (kvfold_bench.aot).")] = None,
 ) -> None:
     """GPU attention time: uncompressed torch SDPA vs kvfold's Triton kernels (plain and load-balanced) vs
     kvfold's torch path, decode B in {1, 16, 64} x S in {4K, 32K} and prefill 4K/16K, at p = 0.25 / 0.5
-    uniform and uneven (Llama-3-8B layer shapes) and an export's widths."""
+    uniform and uneven (Llama-3-8B layer shapes) and an export's widths. With --aot sm_90: the kernels' compiled
+    code instead, on any machine."""
     from kvfold_bench.kernels import bench_kernels, draw
     from kvfold_bench.outputs import check_paths, write_outputs
 
+    if aot is not None:
+        from kvfold_bench.aot import aot_report
+
+        with user_errors():
+            check_paths(json_out)
+            report = aot_report(aot)
+            write_outputs(report, json_out, None, None)
+        if json_out is None:
+            print(json.dumps(report, indent=2))
+        return
     with user_errors():
         check_paths(json_out, png)
         _at_least_1(("--reps", reps))

@@ -1,0 +1,194 @@
+"""`kvfold-bench kernels --aot sm_90`: where a decode's time goes, read from the kernels compiled ahead of time for
+an H100 / H200 (sm_90) on a machine without a GPU (issue 50's instrument).
+
+Each kernel is launched by its own launcher (kvfold_runtime's bits_attention / paged_bits_attention /
+decode_attention / paged_decode_attention / prefill_attention, vLLM 0.32's TritonAttentionImpl.forward for
+`int4_per_token_head`) on small CPU tensors of the real strides and dtypes, with every Triton launch recorded
+instead of run; each recorded launch is then specialised exactly as Triton's JIT would specialise it (its binder:
+constexprs, ints equal to 1, 16-byte divisibility) and compiled with `triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 90, 32))` and its num_warps / num_stages. The cubin is read with nvdisasm and cuobjdump
+(kvfold_bench.sass). The launchers pick splits for a 132-SM device (H100 SXM, H200), as they would there.
+
+The unit: thread-instructions per cached number = SASS instructions in the main loop's body × num_warps × 32 ÷
+the cached numbers one pass of the body consumes (tokens per tile × (d_k + d_v) of the one KV head a program
+reads; for a prefill program, of the tile it reads for its queries). A call's total adds every instruction outside
+the loop once per program and every kernel the call launches (the split-K merge kernel too), over the call's
+cached numbers (batch × context × KV heads × (d_k + d_v)): a static count, not a profile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvfold_bench import sass
+
+if TYPE_CHECKING:
+    from kvfold_bench.aot_cases import Case
+
+__all__ = ["UNIT", "Launch", "aot_report", "capture", "compile_launch", "kernel_figures", "run_case"]
+
+UNIT = __doc__.split("\n\n")[2].replace("\n", " ").strip()  # the module docstring's paragraph "The unit: ..."
+
+
+@dataclass
+class Launch:
+    kernel: object  # a triton JITFunction
+    args: tuple
+    kwargs: dict
+    grid: tuple
+
+
+@contextlib.contextmanager
+def capture(*kernels):
+    """Record the launches of `kernels` (JITFunctions) instead of running them: yields the list they go into."""
+    from triton.runtime.jit import JITFunction
+
+    from kvfold.errors import KVFoldError
+
+    for k in kernels:
+        if not isinstance(k, JITFunction):
+            raise KVFoldError(f"{k} is not a compiled Triton kernel (TRITON_INTERPRET=1 is set?): the ahead-of-time "
+                              "count needs Triton's compiler; unset TRITON_INTERPRET")
+    launches: list[Launch] = []
+
+    def recorder(kernel):
+        def run(*args, grid, warmup, **kwargs):
+            launches.append(Launch(kernel, args, kwargs, tuple(int(g) for g in grid)))
+        return run
+
+    for k in kernels:
+        k.run = recorder(k)  # an instance attribute over JITFunction.run; fn[grid](...) calls self.run
+    try:
+        yield launches
+    finally:
+        for k in kernels:
+            vars(k).pop("run", None)
+
+
+def compile_launch(launch: Launch, arch: int = 90, facts: bool = True):
+    """(compiled kernel, constexprs by name) of a recorded launch, for CUDA sm_`arch`, as Triton's JIT run would
+    compile it on such a device. facts=False drops the arguments' alignment facts (16-byte divisibility) the JIT
+    passes as attrs: `triton.compile(ASTSource(fn, signature, constexprs))` as written by hand."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import compile as triton_compile
+    from triton.runtime.jit import create_function_from_signature
+
+    fn, kwargs = launch.kernel, dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug  # as JITFunction.run
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs if facts else {}), target=target,
+                              options=options.__dict__)
+    names = {fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+    return compiled, names
+
+
+def kernel_figures(launch: Launch, facts: bool = True) -> dict:
+    """One launch's compiled figures (module docstring)."""
+    compiled, constexprs = compile_launch(launch, facts=facts)
+    meta = compiled.metadata
+    text, usage = sass.disassemble(compiled.asm["cubin"])
+    code = sass.Sass.parse(text)
+    warps, shared = meta.num_warps, meta.shared + usage.get("SHARED", 0)
+    loop = code.main_loop()
+    out = {
+        "kernel": launch.kernel.__name__, "source": f"{launch.kernel.fn.__module__}",
+        "num_warps": warps, "num_stages": meta.num_stages, "grid": list(launch.grid),
+        "constexprs": {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in constexprs.items()},
+        "registers": usage.get("REG"), "spills": {"ldl_stl_instructions": code.local_memory,
+                                                   "stack_bytes": usage.get("STACK", 0),
+                                                   "local_bytes": usage.get("LOCAL", 0)},
+        "shared_bytes": shared, "programs_per_sm": sass.programs_per_sm(usage.get("REG", 0), shared, warps),
+        "instructions": len(code.instructions), "loops": [loop_.instructions for loop_ in code.loops()],
+        "cubin_sha256": hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16],
+    }
+    if loop is not None:
+        out["main_loop"] = {"instructions": loop.instructions, "nops": loop.nops, "global_loads": loop.loads,
+                            "widest_load_bytes": loop.widest_load, "narrowest_load_bytes": loop.narrowest_load,
+                            "ldl_stl_instructions": loop.local_memory}
+    return out
+
+
+def _per_number(figures: dict, case: Case, d: int) -> float:
+    """The main loop's thread-instructions per cached number (its tile: tokens × (d_k + d_v) = tokens × 2d)."""
+    loop = figures["main_loop"]
+    loop["tokens_per_pass"] = figures["constexprs"][case.tokens]
+    loop["numbers_per_pass"] = loop["tokens_per_pass"] * 2 * d
+    loop["thread_instructions_per_number"] = round(loop["instructions"] * figures["num_warps"] * 32
+                                                   / loop["numbers_per_pass"], 2)
+    return loop["thread_instructions_per_number"]
+
+
+def run_case(case: Case, d: int, without_facts: bool = False) -> dict:
+    """A case's kernels' figures at head_dim d, and (decode) the whole call's thread-instructions per number.
+    without_facts: also the main kernel compiled without the alignment facts (compile_launch), as a hand count."""
+    from kvfold_bench.aot_cases import CONTEXT, DTYPE, HEADS, KV_HEADS
+
+    launches = case.make(d)
+    figures = [kernel_figures(launch) for launch in launches]
+    out = {"case": case.name, "head_dim": d, "heads": HEADS, "kv_heads": KV_HEADS, "dtype": str(DTYPE),
+           "thread_instructions_per_number": _per_number(figures[0], case, d),
+           "registers": figures[0]["registers"], "kernels": figures}
+    tokens = figures[0]["main_loop"]["tokens_per_pass"]
+    if without_facts:
+        bare = kernel_figures(launches[0], facts=False)
+        out["without_alignment_facts"] = {"thread_instructions_per_number": _per_number(bare, case, d),
+                                          "main_loop_instructions": bare["main_loop"]["instructions"],
+                                          "registers": bare["registers"]}
+    if case.batch is not None:
+        numbers = case.batch * CONTEXT * KV_HEADS * 2 * d
+        passes = case.batch * KV_HEADS * math.ceil(CONTEXT / tokens)
+        total = 0
+        for f in figures:
+            programs = math.prod(f["grid"])
+            body = f["main_loop"]["instructions"] if f is figures[0] else 0
+            total += f["num_warps"] * 32 * (programs * (f["instructions"] - body) + passes * body)
+        out["call"] = {"batch": case.batch, "context": CONTEXT, "cached_numbers": numbers,
+                       "kernels": [f["kernel"] for f in figures],
+                       "thread_instructions_per_number": round(total / numbers, 2)}
+    return out
+
+
+def aot_report(arch: str = "sm_90", head_dims: tuple[int, ...] = (128, 64), cases: list[Case] | None = None) -> dict:
+    """`kvfold-bench kernels --aot sm_90`: every case (kvfold_bench.aot_cases) at each head_dim."""
+    import triton
+
+    from kvfold.errors import KVFoldError
+    from kvfold_bench import aot_cases as c
+
+    if arch != "sm_90":
+        raise KVFoldError(f"--aot {arch}: only sm_90 (H100 / H200) is modelled; pass --aot sm_90")
+    sass.tools()  # a clear error now rather than after the first compile
+    rows = [run_case(case, d, without_facts=case.hand_count) for d in head_dims for case in (cases or c.CASES)]
+    mixed = {d: kernel_figures(c.bits_decode(d, paged=False, mixed=True)[0])["cubin_sha256"] for d in head_dims}
+    return {
+        "benchmark": "kernels --aot", "date": datetime.date.today().isoformat(), "arch": arch,
+        "triton_version": triton.__version__,
+        "shapes": {"heads": c.HEADS, "kv_heads": c.KV_HEADS, "decode_batch_context": [c.DECODE_BATCH, c.CONTEXT],
+                   "prefill_tokens": c.PREFILL_TOKENS, "block_size": c.BLOCK, "sms": c.SMS, "dtype": str(c.DTYPE)},
+        "rows": rows,
+        "bits_mixed_widths_cubin": mixed,
+        "notes": [UNIT,
+                  "main loop: the backward branch (BRA to an earlier label) spanning the most instructions; every "
+                  "instruction between its label and the branch counts once (kvfold_bench.sass)",
+                  "the bits kernel's band widths are table data read at run time, not constexprs: an 8/5/4 | 6/4-bit "
+                  "layer compiles to the same cubin as 4 bits everywhere (bits_mixed_widths_cubin vs the 4-bit "
+                  "row's cubin_sha256)",
+                  "without_alignment_facts: the same kernel compiled from ASTSource(fn, signature, constexprs) "
+                  "with no attrs (no 16-byte divisibility facts), as issue 50's hand count did (1,792 instructions, "
+                  "227 registers for the contiguous bits decode at head_dim 128); a real launch passes them",
+                  "rank rows keep every dim (d_k = d_v = head_dim), the tile of an uncompressed bfloat16 cache",
+                  "call: static count over one decode call of batch × context, every kernel it launches"],
+    }
