@@ -151,3 +151,40 @@ def test_smollm2_under_its_hub_id(tmp_path, monkeypatch):
     done = run("verify", out, "--eval-text", "wiki:eval", "--eval-tokens", 1024, "--passkey", 0, "--json")
     assert done.exit_code in (0, 1), done.output  # 1: a 0.3 export may miss a check; the run itself must work
     assert json.loads(done.stdout)["against"].endswith(f"snapshots/{COMMIT}")
+
+
+@pytest.mark.parametrize(("error", "offline_mode", "said"), [
+    ("GatedRepoError", False, "is gated on the Hugging Face Hub: accept its terms"),
+    ("RevisionNotFoundError", False, "the Hugging Face Hub has no revision 'v9'"),
+    ("RepositoryNotFoundError", False, "is no local folder and no model on the Hugging Face Hub"),
+    ("LocalEntryNotFoundError", False, "the Hub cannot be reached: run `hf download org/model --revision v9` where"),
+    ("IncompleteSnapshotError", True, "holds part of 'org/model@v9' only"),
+])
+def test_the_hubs_answers_are_one_line_each(tmp_path, monkeypatch, error, offline_mode, said):
+    """What the Hub answers online (faked: no network here), each as one line naming the fix."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    offline(monkeypatch, tmp_path / "hf")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline_mode)
+    exc = getattr(errors, error)
+
+    def answer(*args, **kwargs):
+        raise exc.__new__(exc)  # its __init__ wants a real HTTP response
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", answer)
+    assert_user_error(run("calibrate", "org/model@v9", "-o", tmp_path / "c"), said, tmp_path / "c")
+
+
+def test_a_repository_with_pickle_weights_only_is_refused_online(tiny_dirs, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    cache = offline(monkeypatch, tmp_path / "hf")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_dirs[LLAMA], pickled, ignore=shutil.ignore_patterns("*.safetensors"))
+    snap = hub_cache(cache, "org/pickled", pickled)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(snap))  # the Hub had no more
+    assert_user_error(run("calibrate", "org/pickled", "-o", tmp_path / "c"),
+                      "'org/pickled' has no safetensors weights (model.safetensors or its index); kvfold does not "
+                      "load pickle (*.bin) weights", tmp_path / "c")
