@@ -256,6 +256,30 @@ def test_bfloat16_search_writes_the_sources_dtype(setup, tmp_path):
     assert_user_error(mismatch, "was searched with a different --dtype", tmp_path / "m")
 
 
+def test_a_search_model_read_again_for_the_bake_is_freed_first(setup, tmp_path, monkeypatch):
+    """Issue 52: searched in another dtype than the source's, the model baked is read again, and the search's model
+    is gone by then (one model at a time); the bake then replaces its projections in place, copying nothing."""
+    import types
+    import weakref
+
+    from kvfold.plan import planner
+
+    loaded, load = [], planner.load_model
+
+    def tracked(*args, **kwargs):
+        assert all(ref() is None for ref in loaded), "a model planned earlier is still alive"
+        model = load(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(planner, "load_model", tracked)
+    no_copy = types.SimpleNamespace(deepcopy=lambda *a, **k: pytest.fail("the bake copied the model"))
+    monkeypatch.setattr("kvfold.rewrite.bake.copy", no_copy)
+    result = _export(setup, tmp_path / "bf16", "--ratio", 0.3, "--multiple", 1, "--min-rank", 4, "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    assert len(loaded) == 2  # the search's (bfloat16), then the source's float32 weights for the bake
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 @pytest.mark.parametrize("command", ["calibrate", "export"])
 def test_device_cuda_without_a_gpu_is_one_line(setup, tmp_path, command):

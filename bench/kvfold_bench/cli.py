@@ -283,6 +283,8 @@ def compile(  # the command's name
     dtype: Annotated[str, typer.Option(help="Model dtype while calibrating and searching.")] = "bfloat16",
     verify_dtype: Annotated[str | None, typer.Option(help="Dtype of both models in verify [--dtype].")] = None,
     tokens: Annotated[int, typer.Option(help="Calibration tokens, search tokens and verify tokens per text.")] = 16384,
+    search_steps: Annotated[int | None, typer.Option(help="The export's --search-steps [its default]: fewer "
+                                                     "candidates, the same peak memory.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
 ) -> None:
     """The whole compile (calibrate → export → verify), each stage its own process: seconds, peak RSS and peak
@@ -290,7 +292,7 @@ def compile(  # the command's name
     from kvfold_bench.compile import bench_compile
 
     with user_errors():
-        report = bench_compile(shape, device, dtype, verify_dtype or dtype, tokens, fmt)
+        report = bench_compile(shape, device, dtype, verify_dtype or dtype, tokens, fmt, search_steps)
     text = json.dumps(report, indent=2)
     if json_out is not None:
         atomic_write_text(json_out, text + "\n")

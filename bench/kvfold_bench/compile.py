@@ -125,7 +125,8 @@ SHAPES: dict[str, dict | None] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
-def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int, fmt: str = "rank") -> dict:
+def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens: int, fmt: str = "rank",
+                  search_steps: int | None = None) -> dict:
     from kvfold.sources.models import DTYPES, resolve_device
 
     if shape not in SHAPES:  # any other MODEL (a folder or a Hugging Face Hub id): its real weights
@@ -157,6 +158,8 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
         target = ["--accuracy", "1e-6", "--metric", "ppl", "--margin", "0"] if random else ["--accuracy", "0.99"]
         calib_text, search, checked = TEXTS.get(shape, ("wiki:calib", None, ()))
         search_args = [] if search is None else ["--eval-text", search]
+        if search_steps is not None:  # a shorter search: fewer candidates, the same peak memory (issue 52)
+            search_args += ["--search-steps", str(search_steps)]
         verify_args = [arg for text in checked for arg in ("--eval-text", text)]
         stages = [
             ("calibrate", ["calibrate", model, "--source", "text", "--text", calib_text, "--tokens", str(tokens),
@@ -186,7 +189,8 @@ def bench_compile(shape: str, device: str, dtype: str, verify_dtype: str, tokens
     return {
         "benchmark": "compile", "shape": shape, "format": fmt, "random_weights": random, "device": device,
         "dtype": dtype,
-        "verify_dtype": verify_dtype, "tokens": tokens, "threads": _threads(), "build_model_s": round(build_s, 1),
+        "verify_dtype": verify_dtype, "tokens": tokens, "search_steps": search_steps, "threads": _threads(),
+        "build_model_s": round(build_s, 1),
         "stages": results, "total_s": round(sum(r["wall_s"] for r in results), 1),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
         "model_mib": round(model_bytes / 2**20, 1), "activations_mib": activations, "rss_bound": _BOUND_NOTE,

@@ -4,6 +4,7 @@ the chosen point's ranks, bits and factors. Nothing is baked or written here (ex
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -79,8 +80,14 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
         found = _search(inputs, fmt, net, bases, windows, target, rule, log)
     chosen = rule(found.best.r_k, found.best.r_v)
     ranks, bits, factors = fmt.export_parts(bases, chosen)
+    reload = _reload_for_bake(found.model, ref, device)
+    model = found.model if reload is None else None
+    found, net = found._replace(model=None), None  # a search model read again is freed first: one model at a time
+    if model is None:
+        gc.collect()
+        model = load_model(ref, *reload)
     return ExportPlan(
-        model=_in_source_dtype(found.model, ref, device),
+        model=model,
         layout=HeadLayout(identity.num_layers, identity.num_heads, identity.num_kv_heads, identity.head_dim),
         method=recipe.method, metric=recipe.metric, target=target, ratio=recipe.ratio, allocation=recipe.allocation,
         search_dtype=recipe.dtype, positions=positions, scales=scales, rule=chosen, ranks=ranks, bits=bits,
@@ -166,16 +173,17 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
     return _Found(best, tuple(curve), baseline, record, net)
 
 
-def _in_source_dtype(net: nn.Module, ref: ModelRef, device: str) -> nn.Module:
-    """`net` itself, or the model read again in the source checkpoint's dtype when the search ran in another:
-    what is baked and written. A model placed by accelerate (--device-map) is read again whole on the CPU: baking
-    reads and replaces weights that its offloaded layers do not hold outside their forward passes."""
+def _reload_for_bake(net: nn.Module, ref: ModelRef, device: str) -> tuple[str, str] | None:
+    """What is baked and written: `net` itself (None), or the model read again, in the (dtype, device) returned:
+    in the source checkpoint's dtype when the search ran in another. A model placed by accelerate (--device-map)
+    is read again whole on the CPU: baking reads and replaces weights that its offloaded layers do not hold
+    outside their forward passes. The caller frees `net` before reading it again (issue 52)."""
     stored = source_dtype(ref)
     if len(set((getattr(net, "hf_device_map", None) or {}).values())) > 1:
-        return load_model(ref, stored, "cpu")
+        return stored, "cpu"
     if next(net.parameters()).dtype == DTYPES[stored]:
-        return net
-    return load_model(ref, stored, device)
+        return None
+    return stored, device
 
 
 def _keep_passkeys(net: nn.Module, ref: ModelRef, context: int, curve: list[Point], target: Target, patches_for,
