@@ -62,7 +62,8 @@ runpy.run_module("kvfold", run_name="__main__", alter_sys=True)
 """
 
 # The stages' activations, measured apart (issue 52): one process loads the model as a stage does, then runs
-# one piece of each stage's work at its real size, each from a reset high-water mark (/proc/self/clear_refs "5"):
+# one piece of each stage's work at its real size, each from a reset high-water mark (/proc/self/clear_refs "5"),
+# after reading every weight once (transformers maps the safetensors files: a weight's pages join the RSS at first use):
 # the peak above the RSS before it is that piece's working memory. calibrate: one batch of calibration
 # (calib.run.collect, 8 × 512 tokens); score: one batch of 4 × 512-token windows scored (the search's and verify's
 # batch); passkey: one pass-key prompt of the check's length (4,096 tokens). Arguments: MODEL DTYPE DEVICE OUT.
@@ -87,6 +88,9 @@ def status(key):
 
 ref = resolve_model(model)
 net = load_model(ref, dtype, device)
+with torch.inference_mode():  # every weight read once: a mapped file's pages are in RSS from their first use
+    for p in net.parameters():
+        p.sum()
 tokenizer = load_tokenizer(ref.path)
 windows = text_sequences(tokenizer, resolve_text("wiki:dev"), 8 * 512, 512, seed=0)
 seqs = windows.head(8)
