@@ -60,20 +60,22 @@ def rank_export(calib, tmp_path_factory):
     """A rank export balanced for tensor parallelism 2 (Qwen2.5-Coder's 2 KV heads, one per rank)."""
     with module_dir(tmp_path_factory, "qwen-rank") as root:
         out = root / "export"
+        # float32: test_rank_export_reproduces_its_search compares exact figures (in bfloat16 the baked weights'
+        # rounding moves 3 of 512 top-1 tokens against the search's, over verify's ±2 on the same text)
         done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--ratio", "0.05", "--tp", "2",
                                         "--eval-text", "pysrc:dev", "--eval-tokens", "512", "--passkey", "0",
-                                        "-o", str(out), "--dtype", "auto"])
+                                        "-o", str(out), "--dtype", "float32"])
         assert done.exit_code == 0, done.output
         yield out
 
 
-def _verify(export, text: str, check: str) -> None:
+def _verify(export, text: str, check: str, dtype: str = "auto") -> None:
     """`kvfold verify` on one 512-token window of `text`: every check passes, `check` among them."""
     manifest = Manifest.load(export)
     assert len(manifest.d_k) == 28 and all(len(layer) == 2 for layer in manifest.d_k)
     assert all(1 <= w <= 128 for layer in manifest.d_k + manifest.d_v for w in layer)
     done = CliRunner().invoke(app, ["verify", str(export), "--eval-text", text, "--eval-tokens", "512", "--passkey",
-                                    "0", "--new-tokens", "8", "--json", "--dtype", "auto"])
+                                    "0", "--new-tokens", "8", "--json", "--dtype", dtype])
     report = json.loads(done.stdout)
     failed = [c for c in report["checks"] if not c["ok"]]
     assert check in {c["name"] for c in report["checks"]} and not failed, failed
@@ -92,7 +94,7 @@ def test_bits_export_meets_its_target_on_held_out_text(calib, tmp_path):
 
 
 def test_rank_export_reproduces_its_search(rank_export):
-    _verify(rank_export, "pysrc:dev", "fidelity pysrc:dev")
+    _verify(rank_export, "pysrc:dev", "fidelity pysrc:dev", dtype="float32")
 
 
 @pytest.mark.vllm
