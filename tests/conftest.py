@@ -83,18 +83,26 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
+def save_tiny(folder: Path, arch: str, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """`build_tiny(arch, **overrides)` in `dtype`, saved with the tiny tokenizer as a HF model folder."""
+    model = build_tiny(arch, **overrides).to(dtype)
+    model.config.architectures = [arch]
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_tiny_text(path: Path) -> Path:
+    """A small evaluation text the tiny tokenizer reads byte by byte: 60 short paragraphs."""
+    path.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict:
     """architecture -> a saved HF folder of the tiny model (for API and CLI tests)."""
     root = tmp_path_factory.mktemp("tiny")
-    dirs = {}
-    for arch in TINY_CONFIGS:
-        model = build_tiny(arch)
-        model.config.architectures = [arch]
-        model.save_pretrained(root / arch)
-        tiny_tokenizer().save_pretrained(root / arch)
-        dirs[arch] = root / arch
-    return dirs
+    return {arch: save_tiny(root / arch, arch) for arch in TINY_CONFIGS}
 
 
 def rerun_in_triton_interpreter(test_file: str, *args: str) -> str:

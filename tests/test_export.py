@@ -12,7 +12,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.io import sha256_file
 from kvfold.plan.criteria import Target
-from tests.conftest import build_tiny, tiny_tokenizer
+from tests.conftest import save_tiny, write_tiny_text
 from tests.test_cli import assert_user_error, run
 
 LLAMA = "LlamaForCausalLM"
@@ -21,8 +21,7 @@ LLAMA = "LlamaForCausalLM"
 @pytest.fixture(scope="module")
 def setup(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    text = root / "eval.txt"
-    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    text = write_tiny_text(root / "eval.txt")
     calib = root / "calib"
     assert run("calibrate", tiny_dirs[LLAMA], "-o", calib, "--tokens", 512, "--seq-len", 64).exit_code == 0
     return tiny_dirs[LLAMA], calib, text, root
@@ -295,13 +294,8 @@ def test_device_cuda_without_a_gpu_is_one_line(setup, tmp_path, command):
 def test_the_chosen_points_pass_keys_are_checked_and_recorded(tmp_path):
     """An accuracy export checks its chosen point's pass keys (plan/longrange.py) and records the check: here on
     the tiny Llama given a 1,024-token context, so the prompts fit and the check really runs."""
-    model = tmp_path / "model"
-    net = build_tiny(LLAMA, max_position_embeddings=1024)
-    net.config.architectures = [LLAMA]
-    net.save_pretrained(model)
-    tiny_tokenizer().save_pretrained(model)
-    text = tmp_path / "eval.txt"
-    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    model = save_tiny(tmp_path / "model", LLAMA, max_position_embeddings=1024)
+    text = write_tiny_text(tmp_path / "eval.txt")
     assert run("calibrate", model, "-o", tmp_path / "calib", "--tokens", 512, "--seq-len", 64).exit_code == 0
     result = _export((model, tmp_path / "calib", text, tmp_path), tmp_path / "a", "--accuracy", 0.8, "--passkey", 512)
     assert result.exit_code == 0, result.output

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from kvfold.progress import progress, shown_on
-from tests.conftest import build_tiny, tiny_tokenizer
+from tests.conftest import save_tiny, write_tiny_text
 from tests.test_cli import run
 
 LLAMA = "LlamaForCausalLM"
@@ -26,13 +26,8 @@ BARS = "━╸╺"
 def passkey_export(tmp_path_factory):
     """The CLI's export command on the tiny Llama given a 1,024-token context, where the pass keys really run."""
     root = tmp_path_factory.mktemp("progress")
-    model = root / "model"
-    net = build_tiny(LLAMA, max_position_embeddings=1024)
-    net.config.architectures = [LLAMA]
-    net.save_pretrained(model)
-    tiny_tokenizer().save_pretrained(model)
-    text = root / "eval.txt"
-    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    model = save_tiny(root / "model", LLAMA, max_position_embeddings=1024)
+    text = write_tiny_text(root / "eval.txt")
     assert run("calibrate", model, "-o", root / "calib", "--tokens", 512, "--seq-len", 64).exit_code == 0
 
     def command(out: str) -> list[str]:

@@ -14,6 +14,7 @@ from kvfold.errors import KVFoldError
 from kvfold.plan.formats import FORMATS, get_format
 from kvfold.plan.formats.rank import RankFormat
 from kvfold.plan.recipe import Recipe, load_recipe
+from tests.conftest import write_tiny_text
 from tests.test_cli import assert_user_error, run
 
 KVFOLD = Path(__file__).parents[2] / "kvfold"
@@ -92,8 +93,7 @@ class Rank4Format(RankFormat):
 @pytest.fixture(scope="module")
 def setup(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("formats")
-    text = root / "eval.txt"
-    text.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    text = write_tiny_text(root / "eval.txt")
     calib = root / "calib"
     assert run("calibrate", tiny_dirs["LlamaForCausalLM"], "-o", calib, "--tokens", 512, "--seq-len", 64).exit_code == 0
     return tiny_dirs["LlamaForCausalLM"], calib, text

@@ -9,7 +9,7 @@ import torch
 
 from kvfold.sources import models
 from kvfold.sources.models import resolve_model, run_dtype
-from tests.conftest import build_tiny, tiny_tokenizer
+from tests.conftest import save_tiny
 from tests.test_cli import run
 
 LLAMA = "LlamaForCausalLM"
@@ -18,12 +18,7 @@ LLAMA = "LlamaForCausalLM"
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
     """The tiny Llama in bfloat16 with a 1,024-token context: room for pass-key prompts of 512 tokens."""
-    folder = tmp_path_factory.mktemp("bf16") / "model"
-    net = build_tiny(LLAMA, max_position_embeddings=1024).to(torch.bfloat16)
-    net.config.architectures = [LLAMA]
-    net.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory.mktemp("bf16") / "model", LLAMA, torch.bfloat16, max_position_embeddings=1024)
 
 
 @pytest.mark.parametrize(("native", "device", "want"), [(True, "cpu", "bfloat16"), (False, "cpu", "float32"),
