@@ -39,8 +39,8 @@ def _default(option: str) -> str:
 
 
 def _by_format(option: str) -> str:
-    """A default each cache format sets (plan/formats), e.g. "[rank: 1; bits: 32]"."""
-    values = {name: getattr(fmt, option) for name, fmt in FORMATS.items()}
+    """A default each cache format sets (plan/formats), e.g. "[rank: 1; bits: 32]"; formats without it left out."""
+    values = {name: getattr(fmt, option) for name, fmt in FORMATS.items() if getattr(fmt, option) is not None}
     return "[" + "; ".join(f"{name}: {v:g}" if isinstance(v, float) else f"{name}: {v}"
                            for name, v in values.items()) + "]"
 
@@ -117,6 +117,10 @@ def export(
                                                      f"{_default('search_steps')}.")] = None,
     format: Annotated[str | None, typer.Option(help=" or ".join(f"{f.name} ({f.summary})" for f in FORMATS.values())
                                                + f" {_default('format')}.")] = None,
+    band_align: Annotated[int | None, typer.Option(help="Bits format: every band starts and ends on a multiple of "
+                                                   "this many dims, as the aligned GPU decode kernel reads them; 1: "
+                                                   f"anywhere (the older allocation) {_by_format('band_align')}.")
+                          ] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
@@ -145,7 +149,7 @@ def export(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
             search_steps=search_steps,
-            format=format, context=context, dtype=dtype, passkey=passkey, tp=tp))
+            format=format, band_align=band_align, context=context, dtype=dtype, passkey=passkey, tp=tp))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
                             device_map=device_map,

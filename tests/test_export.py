@@ -369,6 +369,32 @@ def test_a_bits_sensitivity_export_records_per_head_rounding_scales_and_reuse_ke
     assert m.layer_scales() == scales and (m.chosen, m.k_bits, m.v_bits) == (prev.chosen, prev.k_bits, prev.v_bits)
 
 
+def test_a_bits_export_aligns_its_bands_to_16_dims_and_band_align_1_is_the_older_allocation(setup, tmp_path):
+    """Every band of a bits export starts and ends on a multiple of 16 dims (the tiny model's head_dim 16: one width
+    per head), recorded as its rank rounding; --band-align 1 plans bands anywhere, and neither reuses the other's
+    curve."""
+    bits = ("--accuracy", 0.5, "--format", "bits", "--passkey", 0)
+    for name, extra, align in (("aligned", (), 16), ("loose", ("--band-align", 1), 1)):
+        result = _export(setup, tmp_path / name, *bits, *extra)
+        assert result.exit_code == 0, result.output
+        m = Manifest.load(tmp_path / name)
+        assert m.rounding_multiple == align and m.min_rank == 0
+        for head in (h for side in (m.k_bits, m.v_bits) for layer in side for h in layer):  # kept dims' widths
+            chunks = [head[c : c + align] for c in range(0, len(head), align)]
+            assert len(head) % align == 0 and all(len(set(chunk)) == 1 for chunk in chunks)
+    assert_user_error(_export(setup, tmp_path / "x", *bits, "--reuse-curve", tmp_path / "loose"),
+                      "was searched with a different rank rounding", tmp_path / "x")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--format", "bits", "--band-align", 32],
+     "head_dim 16 is not a multiple of the bits format's band alignment 32: export with --band-align 1"),
+    (["--band-align", 16], "--band-align places the bits format's bands; the rank format rounds its ranks with"),
+])
+def test_band_align_bad_input(setup, tmp_path, flags, message):
+    assert_user_error(_export(setup, tmp_path / "x", "--accuracy", 0.9, *flags), message, tmp_path / "x")
+
+
 def test_tp_balances_every_layer_over_the_ranks_and_is_recorded(setup, tmp_path):
     from kvfold_runtime import ConfigBlock
     from kvfold_runtime.sharding import check_tensor_parallel, padding_fraction

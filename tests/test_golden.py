@@ -30,10 +30,12 @@ _REL_TOL = 1e-5
 _METRIC_REL_TOL = 1e-3
 _METRICS = {"kl", "kl_p99", "ppl_ratio", "top1_ratio", "baseline_ppl"}
 
-# name -> (architecture, export arguments): a RoPE model in both formats and a model without RoPE.
+# name -> (architecture, export arguments): a RoPE model in both formats and a model without RoPE. The bits case
+# keeps the bands anywhere (--band-align 1), as it was written before bands were aligned to 16 dims by default (issue
+# 50): at the tiny model's head_dim 16 an aligned head holds one width, which would test less of the format.
 CASES = {
     "llama-rank-accuracy": ("LlamaForCausalLM", ("--accuracy", 0.5)),
-    "llama-bits-accuracy": ("LlamaForCausalLM", ("--accuracy", 0.5, "--format", "bits")),
+    "llama-bits-accuracy": ("LlamaForCausalLM", ("--accuracy", 0.5, "--format", "bits", "--band-align", 1)),
     "llama-rank-sensitivity": ("LlamaForCausalLM", ("--accuracy", 0.5, "--allocation", "sensitivity")),
     "qwen3-rank-ratio": ("Qwen3ForCausalLM", ("--ratio", 0.3)),
     "gpt2-rank-ratio": ("GPT2LMHeadModel", ("--ratio", 0.3)),

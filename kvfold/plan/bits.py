@@ -20,9 +20,11 @@ one removal rate r does for ranks), and the last term charges each band its per-
 kvfold_runtime.bands "log8"; without this term SmolLM2 at 4 bits per number spent 0.089 of the fp16 bytes
 on float16 scales, with it 0.032). Widths never increase along the dims (λ descending), so equal widths
 form contiguous bands (kvfold_runtime.bands); a dynamic programme over (dim, width) finds the exact
-minimum. Larger θ, fewer bits. Per-layer sensitivity multipliers (--allocation sensitivity) scale θ exactly as
-they scale r (plan/sensitivity.py). Measured on the bits format they cost accuracy — they were measured by
-removing dims, not rounding them (SmolLM2, as above: KL 0.0388 with them and 0.0264 without when values were
+minimum. With the bands aligned (BitRule.align, formats/bits.ALIGN = 16 by default) the widths are constant on
+each chunk of `align` dims and the same programme runs over chunks: the exact minimum among aligned widths. Larger
+θ, fewer bits. Per-layer sensitivity multipliers (--allocation sensitivity) scale θ exactly as they scale r
+(plan/sensitivity.py). Measured on the bits format they cost accuracy — they were measured by removing dims, not
+rounding them (SmolLM2, as above: KL 0.0388 with them and 0.0264 without when values were
 priced by the output spectrum; 0.0375 and 0.0222 with today's pricing at V_SCALE 16) — and export's default
 allocation (eq6) has none. The accuracy search then runs over θ. Last, the dims inside each quantized band are
 mixed by an orthogonal DCT folded into the weights (`bit_factors`), so one absmax scale fits them better.
@@ -36,13 +38,14 @@ from functools import cache
 
 import torch
 
+from kvfold.errors import KVFoldError
 from kvfold.factors import LayerBasis, LayerFactors
-from kvfold.plan.formats.bits import V_SCALE  # θ_v / θ_k by default (measured there)
+from kvfold.plan.formats.bits import ALIGN, V_SCALE  # the bands' alignment and θ_v / θ_k by default (said there)
 from kvfold.plan.ranks import RankPlan, factors_for
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
-__all__ = ["KEY_MIN_BITS", "SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors", "bits_basis",
-           "dim_bits", "modelled_distortion", "plan_bits", "theta_for_mean_bits"]
+__all__ = ["ALIGN", "KEY_MIN_BITS", "SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors",
+           "bits_basis", "check_align", "dim_bits", "modelled_distortion", "plan_bits", "theta_for_mean_bits"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
@@ -62,6 +65,7 @@ class BitRule:
     # plan/rounding.py); () = all 1
     head_k: tuple[tuple[float, ...], ...] = ()
     head_v: tuple[tuple[float, ...], ...] = ()
+    align: int = ALIGN  # every band starts and ends on a multiple of this many dims (dim_bits); 1: anywhere
 
     @property
     def r_k(self) -> float:  # the search's knob, recorded in the curve as r_k / r_v (plan/search.py)
@@ -130,21 +134,32 @@ class BitPlan:
         return sum(every) / len(every)
 
 
-def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scale_bits: int = 8) -> list[int]:
+def check_align(head_dim: int, align: int) -> None:
+    """KVFoldError, with the fix, unless `head_dim` splits into whole chunks of `align` dims."""
+    if align < 1 or head_dim % align:
+        raise KVFoldError(f"head_dim {head_dim} is not a multiple of the bits format's band alignment {align}: "
+                          f"export with --band-align 1 (bands anywhere) or a divisor of {head_dim}")
+
+
+def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scale_bits: int = 8,
+             align: int = 1) -> list[int]:
     """One head's widths from its spectrum (descending σ): the non-increasing sequence b_0 ≥ b_1 ≥ … that
     minimises Σ_j (λ̂_j·2^(−2b_j) + θ·b_j) + θ·scale_bits·(bands below 16 bits) — the water-filling above,
     charged for each band's per-token scale. Dynamic programming over (dim, width): a band opens where the
-    width steps down."""
+    width steps down. With `align` > 1, the same over chunks of `align` dims [a·c, a·c + a), one width each (a
+    chunk's cost is its dims' summed: Σλ̂·2^(−2b) + θ·a·b), so every band starts and ends on a multiple of `align`;
+    the spectrum's length must be one of those (check_align)."""
+    check_align(len(spectrum), align)
     lam = spectrum.double() ** 2
     total = float(lam.sum())
     if total == 0.0:
         return [0] * len(spectrum)
     ws = sorted(widths, reverse=True)
     opening = [theta * scale_bits if 0 < w < 16 else 0.0 for w in ws]
-    # cost[w]: the best cost of dims 0..j with dim j at width ws[w]; came[j][w]: dim j−1's width index
+    # cost[w]: the best cost of chunks 0..c with chunk c at width ws[w]; came[c][w]: chunk c−1's width index
     cost, came = None, []
-    for x in (lam / total).tolist():
-        own = [x * 2.0 ** (-2 * w) + theta * w for w in ws]
+    for x in (lam / total).view(-1, align).sum(-1).tolist():  # each chunk's λ̂ (align 1: each dim's, as it was)
+        own = [x * 2.0 ** (-2 * w) + theta * w * align for w in ws]
         if cost is None:
             cost = [own[i] + opening[i] for i in range(len(ws))]
             came.append([i for i in range(len(ws))])
@@ -165,7 +180,7 @@ def dim_bits(spectrum: torch.Tensor, theta: float, widths: tuple[int, ...], scal
     i = min(range(len(ws)), key=lambda k: (cost[k], -ws[k]))
     out = []
     for back in reversed(came):
-        out.append(ws[i])
+        out += [ws[i]] * align
         i = back[i]
     return out[::-1]
 
@@ -216,18 +231,20 @@ def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
     key_widths = _key_widths(rule.widths)
     for i, b in enumerate(map(bits_basis, bases)):
         tk, tv = rule.head_thetas(i, len(b.qk_spectrum))
-        k_bits.append([dim_bits(s, t, key_widths, scale_bits) for s, t in zip(b.qk_spectrum, tk, strict=True)])
-        v_bits.append([dim_bits(s, t, rule.widths, scale_bits) for s, t in zip(b.v_spectrum, tv, strict=True)])
+        k_bits.append([dim_bits(s, t, key_widths, scale_bits, rule.align)
+                       for s, t in zip(b.qk_spectrum, tk, strict=True)])
+        v_bits.append([dim_bits(s, t, rule.widths, scale_bits, rule.align)
+                       for s, t in zip(b.v_spectrum, tv, strict=True)])
     return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1], scale=rule.scale)
 
 
 def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...], v_scale: float = 1.0,
-                        head_k: tuple[tuple[float, ...], ...] = (), head_v: tuple[tuple[float, ...], ...] = ()
-                        ) -> float:
-    """The θ_k (θ_v = v_scale·θ_k, no per-layer multipliers; per-head ones if given) whose plan stores about `bits`
-    per number: for sweeps by budget."""
+                        head_k: tuple[tuple[float, ...], ...] = (), head_v: tuple[tuple[float, ...], ...] = (),
+                        align: int = ALIGN) -> float:
+    """The θ_k (θ_v = v_scale·θ_k, no per-layer multipliers; per-head ones if given) whose plan, with bands aligned
+    to `align` dims, stores about `bits` per number: for sweeps by budget."""
     def rule(theta: float) -> BitRule:
-        return BitRule(theta, v_scale * theta, widths, head_k=head_k, head_v=head_v)
+        return BitRule(theta, v_scale * theta, widths, head_k=head_k, head_v=head_v, align=align)
 
     lo, hi = math.log(1e-9), math.log(1.0)
     for _ in range(40):

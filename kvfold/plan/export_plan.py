@@ -93,5 +93,6 @@ class ExportPlan:
 
     @property
     def rounding(self) -> tuple[int, int]:
-        """(multiple, min_rank) of the ranks; a bits plan's ranks follow from its bits: (1, 0)."""
-        return (self.rule.multiple, self.rule.min_rank) if isinstance(self.rule, RankRule) else (1, 0)
+        """(multiple, min_rank) of the ranks; a bits plan's ranks follow from its bits, whose bands are aligned to
+        rule.align dims: (align, 0) (the manifest's rounding_multiple; 1 before issue 50)."""
+        return (self.rule.multiple, self.rule.min_rank) if isinstance(self.rule, RankRule) else (self.rule.align, 0)

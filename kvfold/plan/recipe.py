@@ -66,6 +66,10 @@ class Recipe(BaseModel):
     # multiple and min_rank do not apply. Served by the transformers runtime and the vLLM plugin. A name in
     # plan/formats.FORMATS, whose class decides everything that differs between formats.
     format: str = DEFAULT_FORMAT
+    # Bits format: every band of a KV head starts and ends on a multiple of this many dims (plan/bits.dim_bits), as
+    # the aligned GPU decode kernel reads the codes; 1: bands anywhere (the allocation before issue 50, for
+    # comparison). None: the format's (bits: 16, plan/formats/bits.ALIGN; the rank format has no bands and refuses it).
+    band_align: int | None = Field(default=None, ge=1)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).
@@ -94,7 +98,7 @@ class Recipe(BaseModel):
             name = data.get("format")
             fmt = FORMATS.get(name, FORMATS[DEFAULT_FORMAT]) if isinstance(name, str) else FORMATS[DEFAULT_FORMAT]
             defaults = {"v_scale": fmt.v_scale, "allocation": fmt.allocation,
-                        "sensitivity_tokens": fmt.sensitivity_tokens}
+                        "sensitivity_tokens": fmt.sensitivity_tokens, "band_align": fmt.band_align}
             data = {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
         return data
 
@@ -112,7 +116,7 @@ class Recipe(BaseModel):
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
         if 0 < self.passkey < 256:
             raise ValueError("passkey must be 0 (skip) or at least 256 tokens")
-        get_format(self.format).check(self)  # what this format refuses (the bits format: --tp, --ratio)
+        get_format(self.format).check(self)  # what this format refuses (bits: --tp, --ratio; rank: --band-align)
         return self
 
     def target(self) -> Target | None:
@@ -124,7 +128,7 @@ class Recipe(BaseModel):
     @property
     def rounding(self) -> tuple[int, int]:
         """(multiple, min_rank) the ranks are rounded with, as the format rounds them (the bits format's ranks follow
-        from its bits: (1, 0))."""
+        from its bits: (band_align, 0))."""
         return get_format(self.format).rounding(self)
 
 

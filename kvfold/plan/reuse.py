@@ -9,6 +9,7 @@ from torch import nn
 
 from kvfold.calib.artifact import CalibStats
 from kvfold.errors import KVFoldError
+from kvfold.plan.bits import check_align
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import ExportInputs, PreviousExport
 from kvfold.plan.formats import get_format
@@ -33,6 +34,8 @@ def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousE
     if kv_heads % recipe.tp:
         raise KVFoldError(f"--tp {recipe.tp}: the model's {kv_heads} KV heads do not split over {recipe.tp} "
                           f"tensor-parallel ranks; give a --tp that divides {kv_heads}")
+    if recipe.band_align is not None:
+        check_align(stats.header.model.head_dim, recipe.band_align)
     if previous is not None:
         _check_reusable(previous, sha, stats, recipe)
     docs = None if previous else resolve_text(recipe.eval_text)
@@ -44,7 +47,7 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         ("model weights", prev.weights_sha256, sha),
         ("calibration", prev.stats_sha256, stats.header.stats_sha256),
         ("method", prev.method, recipe.method),
-        ("rank rounding", prev.rounding, recipe.rounding),
+        ("rank rounding (--multiple, --min-rank; bits: --band-align)", prev.rounding, recipe.rounding),
         ("--tp", prev.tensor_parallel, recipe.tp),
         ("rank allocation", prev.allocation, recipe.allocation),
         ("cache format", prev.format, recipe.format),

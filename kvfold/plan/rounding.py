@@ -25,6 +25,7 @@ from kvfold.factors import LayerBasis
 from kvfold.measure.evaluate import Evaluator
 from kvfold.measure.stored import banded, compressed
 from kvfold.plan.bits import (
+    ALIGN,
     BitPlan,
     BitRule,
     bit_factors,
@@ -80,12 +81,14 @@ def _alone(plan: BitPlan, layer: int, side: str, head: int) -> BitPlan:
     return BitPlan([[widths("k", h) for h in heads]], [[widths("v", h) for h in heads]], plan.head_dim, plan.scale)
 
 
-def measure_head_scales(bases: list[LayerBasis], evaluator: Evaluator, v_scale: float) -> HeadScales:
+def measure_head_scales(bases: list[LayerBasis], evaluator: Evaluator, v_scale: float,
+                        align: int = ALIGN) -> HeadScales:
     """2 × layers × KV heads evaluations of `evaluator`'s windows (which must keep a Reference, for the KL;
-    replay=True makes each cost about half a forward pass), a progress stage (kvfold/progress.py)."""
+    replay=True makes each cost about half a forward pass), a progress stage (kvfold/progress.py). The probe plan's
+    bands are aligned as the export's (`align`, BitRule.align)."""
     widths = BitRule(1.0, 1.0).widths
-    theta = theta_for_mean_bits(bases, PROBE_BITS, widths, v_scale)
-    probe = plan_bits(bases, BitRule(theta, v_scale * theta, widths))
+    theta = theta_for_mean_bits(bases, PROBE_BITS, widths, v_scale, align=align)
+    probe = plan_bits(bases, BitRule(theta, v_scale * theta, widths, align=align))
     ordered = [bits_basis(b) for b in bases]
     like = next(evaluator.model.parameters())
     heads = len(probe.k_bits[0])

@@ -100,3 +100,106 @@ def test_band_mixing_is_orthonormal_folds_exactly_and_shrinks_a_bands_absmax():
     err_plain = (roundtrip(x.float(), band) - x.float()).pow(2).mean()
     err_mixed = ((roundtrip(y.float(), band) - y.float()).double() @ band_mixer(16).T).pow(2).mean()
     assert err_mixed < 0.8 * err_plain
+
+
+# Aligned bands (issue 50): every band of a head starts and ends on a multiple of BitRule.align dims.
+
+
+def _chunks_hold_one_width(bits: list[int], align: int) -> bool:
+    return all(len(set(bits[c : c + align])) == 1 for c in range(0, len(bits), align))
+
+
+def _random_bases(d: int, layers: int = 2, kv_heads: int = 3, seed: int = 0) -> list[LayerBasis]:
+    """Random descending spectra spanning 1 to 10^-(1..5) (keys and values apart), identity rotations."""
+    g = torch.Generator().manual_seed(seed)
+
+    def spectra():
+        decay = 1 + 4 * torch.rand(kv_heads, 1, generator=g, dtype=torch.float64)
+        s = torch.rand(kv_heads, d, generator=g, dtype=torch.float64) * 10 ** (-decay * torch.linspace(0, 1, d))
+        return s.sort(-1, descending=True).values
+
+    eye = torch.eye(d, dtype=torch.float64).repeat(kv_heads, 1, 1)
+    return [LayerBasis(1, spectra(), spectra(), eye, eye, eye, None) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_aligned_widths_are_constant_on_each_16_dim_chunk_for_keys_and_values(d):
+    bases = _random_bases(d)
+    rule = BitRule(1.0, 1.0)
+    assert rule.align == 16  # the default: export's (formats/bits.ALIGN)
+    heads = ((1.0, 0.125, 8.0), (2.0, 1.0, 0.5))  # the sensitivity allocation's per-head multipliers keep it too
+    seen = set()
+    for theta in (1e-9, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0):
+        for extra in ({}, {"head_k": heads, "head_v": heads[::-1]}, {"layer_k": (1.0, 4.0)}):
+            plan = plan_bits(bases, BitRule(theta, 32 * theta, WIDTHS, **extra))
+            for side in (plan.k_bits, plan.v_bits):
+                for head in (h for layer in side for h in layer):
+                    assert len(head) == d and head == sorted(head, reverse=True) and set(head) <= set(WIDTHS)
+                    assert _chunks_hold_one_width(head, 16) and sum(b > 0 for b in head) % 16 == 0
+                    seen.add(tuple(head))
+            assert min(b for layer in plan.k_bits for h in layer for b in h) >= KEY_MIN_BITS  # keys: never dropped
+            assert all(r % 16 == 0 for side in (plan.ranks().d_k, plan.ranks().d_v) for row in side for r in row)
+    assert len({len(set(h)) for h in seen} - {1}) >= 2  # heads of several bands, not just one width each
+    for bits in (3.0, 4.25, 6.0):  # the search by budget keeps the alignment (and stays within the budget)
+        theta = theta_for_mean_bits(bases, bits, WIDTHS, 32.0)
+        plan = plan_bits(bases, BitRule(theta, 32 * theta, WIDTHS))
+        assert plan.mean_bits() <= bits
+        heads = [h for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]
+        assert all(_chunks_hold_one_width(h, 16) for h in heads)
+
+
+def test_aligned_widths_minimise_the_same_cost_over_chunks():
+    """align a: the exact minimum of dim_bits' cost among non-increasing widths constant on chunks of a dims
+    (brute force over every such sequence); align 1 is the per-dim programme, checked against brute force above."""
+    from itertools import combinations_with_replacement
+
+    spectrum = torch.tensor([3.0, 2.5, 1.0, 0.6, 0.5, 0.3, 0.1, 0.02], dtype=torch.float64)
+    lam = (spectrum**2 / (spectrum**2).sum()).tolist()
+    for align in (2, 4):
+        every = [[w for w in sorted(c, reverse=True) for _ in range(align)]
+                 for c in combinations_with_replacement(WIDTHS, len(lam) // align)]
+        for theta in (1e-7, 1e-5, 1e-4, 1e-3, 1e-2, 0.1):
+            bits = dim_bits(spectrum, theta, WIDTHS, align=align)
+            assert _chunks_hold_one_width(bits, align) and bits == sorted(bits, reverse=True)
+            assert _cost(bits, lam, theta) == pytest.approx(min(_cost(b, lam, theta) for b in every), rel=1e-12)
+    assert dim_bits(spectrum, 1e-4, WIDTHS, align=8) == [dim_bits(spectrum, 1e-4, WIDTHS, align=8)[0]] * 8
+    assert dim_bits(torch.zeros(32), 1e-3, WIDTHS, align=16) == [0] * 32
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_aligned_distortion_is_at_least_the_unaligned_at_equal_bits(d):
+    """The aligned widths are one choice among the unaligned programme's, so (a) at every θ the aligned plan's cost
+    is at least the unaligned one's, and (b) an aligned plan's modelled distortion at its bits (code + scale bits)
+    lies on or above the unaligned plans' lower convex hull: D_a ≥ max over θ of [J_u(θ) − θ·R_a]."""
+    from kvfold.plan.bits import modelled_distortion
+
+    g = torch.Generator().manual_seed(1)
+    thetas = [10 ** (e / 4) for e in range(-40, 1)]
+    for _ in range(4):
+        decay = 1 + 4 * float(torch.rand(1, generator=g))
+        spectrum = (torch.rand(d, generator=g, dtype=torch.float64) * 10 ** (-decay * torch.linspace(0, 1, d))
+                    ).sort(descending=True).values
+
+        def rate_and_distortion(bits, spectrum=spectrum):
+            rate = sum(bits) + 8 * len({b for b in bits if 0 < b < 16})
+            return rate, modelled_distortion(spectrum, bits)
+
+        loose = [rate_and_distortion(dim_bits(spectrum, t, WIDTHS)) for t in thetas]
+        for t, (r_u, d_u) in zip(thetas, loose, strict=True):
+            r_a, d_a = rate_and_distortion(dim_bits(spectrum, t, WIDTHS, align=16))
+            assert d_a + t * r_a >= d_u + t * r_u - 1e-15
+            bound = max(du + s * (ru - r_a) for s, (ru, du) in zip(thetas, loose, strict=True))
+            assert d_a >= bound - 1e-15
+
+
+def test_a_head_dim_not_a_multiple_of_the_alignment_is_one_clear_error():
+    from kvfold.errors import KVFoldError
+
+    message = r"head_dim 24 is not a multiple of the bits format's band alignment 16: export with --band-align 1"
+    with pytest.raises(KVFoldError, match=message):
+        dim_bits(torch.ones(24, dtype=torch.float64), 1e-3, WIDTHS, align=16)
+    with pytest.raises(KVFoldError, match=message):
+        plan_bits(_bases(d=24), BitRule(1e-3, 1e-3, WIDTHS))
+    assert len(plan_bits(_bases(d=24), BitRule(1e-3, 1e-3, WIDTHS, align=8)).k_bits[0][0]) == 24
+    with pytest.raises(KVFoldError, match="band alignment 0"):
+        dim_bits(torch.ones(16, dtype=torch.float64), 1e-3, WIDTHS, align=0)

@@ -58,6 +58,22 @@ def test_the_allocation_defaults_by_format_and_a_given_one_is_kept():
     assert (given.allocation, given.sensitivity_tokens) == ("sensitivity", 512)
 
 
+def test_band_align_is_the_bits_formats_own_and_recorded_as_its_rank_rounding():
+    """Bits: bands on 16-dim chunks unless given (1: anywhere, the older allocation); the ranks follow from the
+    bits, so they are multiples of it (Recipe.rounding: the manifest's rounding_multiple). The rank format has
+    no bands and refuses the option, naming its own."""
+    bits = Recipe(accuracy=0.99, format="bits")
+    assert (bits.band_align, bits.rounding) == (16, (16, 0))
+    assert load_recipe(None, {"accuracy": 0.99, "format": "bits", "band_align": 1}).rounding == (1, 0)
+    assert Recipe(accuracy=0.99).band_align is None
+    assert Recipe.model_validate(bits.model_dump()) == bits
+    with pytest.raises(KVFoldError, match="--band-align places the bits format's bands; the rank format rounds its "
+                                          "ranks with --multiple"):
+        load_recipe(None, {"accuracy": 0.99, "band_align": 16})
+    with pytest.raises(KVFoldError, match="--band-align: Input should be greater than or equal to 1"):
+        load_recipe(None, {"accuracy": 0.99, "format": "bits", "band_align": 0})
+
+
 def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():
     """The command line's overrides are every Recipe field, declared once (in Recipe); Recipe checks them, so
     a bad choice names its flag. Python callers may pass a mapping of the same fields."""
@@ -68,4 +84,4 @@ def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():
     with pytest.raises(KVFoldError, match="--eval-tokens: Input should be a valid integer"):
         load_recipe(None, {"accuracy": 0.9, "eval_tokens": "many"})
     assert load_recipe(None, {"accuracy": 0.9, "eval_tokens": 512}) == Recipe(accuracy=0.9, eval_tokens=512)
-    assert Recipe(accuracy=0.9).rounding == (8, 8) and Recipe(accuracy=0.9, format="bits").rounding == (1, 0)
+    assert Recipe(accuracy=0.9).rounding == (8, 8) and Recipe(accuracy=0.9, format="bits").rounding == (16, 0)

@@ -43,6 +43,7 @@ class CacheFormat:
     summary: ClassVar[str]  # one line for --format's help
     frontier_method: ClassVar[str]  # its curve in `kvfold-bench frontier` (bench/kvfold_bench/frontier/methods)
     v_scale: ClassVar[float]  # Recipe.v_scale's default: r_v = v_scale · r_k along the searched family
+    band_align: ClassVar[int | None] = None  # Recipe.band_align's default; None: no bands, the option refused
     allocation: ClassVar[str] = "eq6"  # Recipe.allocation's default
     sensitivity_tokens: ClassVar[int]  # Recipe.sensitivity_tokens' default
     sensitivity_of: ClassVar[str]  # what --allocation sensitivity measures, as the log says it ("each ... sensitivity")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvfold.plan.formats.base import CacheFormat
 
-__all__ = ["V_SCALE", "BitsFormat"]
+__all__ = ["ALIGN", "V_SCALE", "BitsFormat"]
 
 # θ_v = V_SCALE · θ_k by default (plan/bits.py): the proxy there underprices keys' rounding error (it passes through
 # the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096
@@ -20,6 +20,15 @@ __all__ = ["V_SCALE", "BitsFormat"]
 # (plan/bits.py; 2026-11-25, 4,096 tokens of wiki:eval+pydoc:eval, 0.2775 of fp16's bytes, no layer multipliers):
 # V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
 V_SCALE = 32.0
+# Every band of a KV head starts and ends on a multiple of ALIGN dims (plan/bits.dim_bits' align; issue 50): the
+# widths are constant on each chunk [16c, 16c + 16), so the kept width is a multiple of 16 too, as an aligned GPU
+# decode kernel reads a head's codes (read from compiled sm_90 code, 2026-12-01: a per-dim address table and ~56
+# instructions per cached number with bands anywhere, 7–9 with aligned 4-bit bands). Its price in the water-filling's
+# own model (research/align_cost.py, random log-linear spectra, equal bits per number): +0.1–1.1 dB of modelled
+# distortion at head_dim 64 and −0.4–+0.45 dB (within the one-θ plans' discreteness) at 128, at 3–5 bits; not yet
+# measured on a model (kvfold-bench frontier: kvfold-bits against kvfold-bits-unaligned). `--band-align 1`: bands
+# anywhere, the allocation before.
+ALIGN = 16
 
 
 class BitsFormat(CacheFormat):
@@ -28,6 +37,7 @@ class BitsFormat(CacheFormat):
     summary = "each kept dim stored at 2–16 bits; transformers and vLLM"
     frontier_method = "kvfold-bits"
     v_scale = V_SCALE
+    band_align = ALIGN
     # eq6: one θ for every head. sensitivity: KL −25% at equal bytes, but SmolLM2's 0.99 export with it (0.295 of
     # fp16's bytes, 2026-11-28) lost 1 of 10 pass keys in the runtime that its simulated check kept
     allocation = "eq6"
@@ -43,7 +53,9 @@ class BitsFormat(CacheFormat):
             raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
 
     def rounding(self, recipe):
-        return 1, 0  # the ranks follow from the bits: multiple and min_rank do not apply
+        # the ranks follow from the bits (multiple and min_rank do not apply), so they are multiples of the bands'
+        # alignment: recorded as the manifest's rounding_multiple, and a reused curve must share it
+        return recipe.band_align, 0
 
     @property
     def band_scale(self):
@@ -54,7 +66,7 @@ class BitsFormat(CacheFormat):
     def rule(self, recipe, r, r_v, multipliers):
         from kvfold.plan.bits import BitRule
 
-        return BitRule(theta_k=r, theta_v=r_v, **multipliers)
+        return BitRule(theta_k=r, theta_v=r_v, align=recipe.band_align, **multipliers)
 
     def plan(self, bases, rule):
         from kvfold.plan.bits import plan_bits
@@ -77,7 +89,7 @@ class BitsFormat(CacheFormat):
     def sensitivity(self, bases, probe, recipe, log):
         from kvfold.plan.rounding import measure_head_scales
 
-        return measure_head_scales(bases, probe, recipe.v_scale)
+        return measure_head_scales(bases, probe, recipe.v_scale, recipe.band_align)
 
     def passkey_patches(self, bases, evaluator, rule, like):
         from kvfold.plan.bits import plan_bits

@@ -25,6 +25,11 @@ class RankFormat(CacheFormat):
     sensitivity_of = "layer's"
     sensitivity_compares = False  # the NLL cost of removed dims
 
+    def check(self, recipe):
+        if recipe.band_align is not None:
+            raise ValueError("--band-align places the bits format's bands; the rank format rounds its ranks with "
+                             "--multiple")
+
     def rule(self, recipe, r, r_v, multipliers):
         from kvfold.plan.ranks import RankRule
 
