@@ -43,6 +43,7 @@ _ALL: list[Method] = [
     # the transform-coded cache (issue 13) and the quantized caches a user would pick instead of it
     KVFoldBits(),
     KVFoldBits(name="kvfold-bits-heads", label="kvfold-bits, per-head θ from rounding costs", allocation="sensitivity"),
+    KVFoldBits(name="kvfold-bits-unaligned", label="kvfold-bits, bands anywhere (--band-align 1)", align=1),
     IntPerToken(8),
     IntPerToken(4),
     Kivi(4),

@@ -3,9 +3,11 @@ cache in the bit-band format (kvfold_runtime.bands: a one-byte per-token scale p
 
 The knob is the mean bits per stored number before scales; each is turned into the θ of the
 water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: the plan export makes by default
-(--allocation eq6). The variant kvfold-bits-heads plans with the per-head multipliers of the bits format's
-sensitivity allocation (plan/rounding.py, measured once per model: setup.head_scales). Bytes are the real
-per-token row bytes (codes + scales) of every head.
+(--allocation eq6), its bands aligned to 16-dim chunks as export's (BitRule.align, formats/bits.ALIGN). The variant
+kvfold-bits-heads plans with the per-head multipliers of the bits format's sensitivity allocation (plan/rounding.py,
+measured once per model: setup.head_scales); kvfold-bits-unaligned with bands anywhere (align 1: export
+--band-align 1, the allocation before issue 50), to measure what the alignment costs. Bytes are the real per-token
+row bytes (codes + scales) of every head.
 
 Another coder of the same plans and bytes is a subclass overriding `coder` (research/frontier_limit.py: an ideal
 coder's error, the references kvfold-bits-limit and kvfold-bits-limit+2dB of issue 25).
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvfold.plan.bits import V_SCALE, BitRule, plan_bits, theta_for_mean_bits
+from kvfold.plan.bits import ALIGN, V_SCALE, BitRule, plan_bits, theta_for_mean_bits
 from kvfold.plan.targets import bit_patches
 
 from .base import Candidate
@@ -32,6 +34,7 @@ class KVFoldBits:
     origin: str | None = None
     grid: tuple[float, ...] = (6.0, 5.0, 4.5, 4.25, 4.0, 3.75, 3.5, 3.0)
     allocation: str = "eq6"  # one θ for every head (export's default), or "sensitivity": per-head θ
+    align: int = ALIGN  # bands start and end on multiples of this many dims (export's --band-align); 1: anywhere
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
@@ -39,8 +42,9 @@ class KVFoldBits:
         scales = setup.head_scales() if self.allocation == "sensitivity" else None
         heads = dict(head_k=scales.k, head_v=scales.v) if scales else {}
         for bits in self.grid:
-            theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads)  # export's default K/V split
-            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads))
+            # export's default K/V split
+            theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads, align=self.align)
+            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads, align=self.align))
             yield Candidate(bits, 1.0 - plan.compression,
                             bit_patches(bases, plan, setup.dtype, coder=self.coder()))
 
