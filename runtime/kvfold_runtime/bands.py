@@ -209,8 +209,10 @@ def quantize(x: torch.Tensor, bands: tuple[Band, ...]) -> tuple[torch.Tensor, to
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bands: tuple[Band, ...], d: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of `quantize`: [..., d] with zeros in the dims no band holds."""
+               dtype: torch.dtype = torch.float32, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The inverse of `quantize`: [..., d] with zeros in the dims no band holds. scale_dtype: each scale rounded to
+    it first (what the GPU page kernels compute in half precision: kernels/triton_pages.py), the level times it
+    then rounded once to `dtype`."""
     out = torch.zeros(*codes.shape[:-1], d, dtype=dtype, device=codes.device)
     at, k = 0, 0
     for band in bands:
@@ -221,6 +223,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bands: tuple[Band, ...
         else:
             q = _unpack(chunk, band.bits, band.size).float()
             s = _decode_scale(scales[..., k : k + band.scale_bytes], band.scale)
+            if scale_dtype is not None:
+                s = s.to(scale_dtype).float()
             vals = _values(q, s, band.bits)
             k += band.scale_bytes
         out[..., band.start : band.start + band.size] = vals.to(dtype)
@@ -243,13 +247,13 @@ def encode_heads(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Ba
 
 
 def decode_heads(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...],
-                 dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `encode_heads`: [..., Σ_g widths[g]] in `dtype`."""
+                 dtype: torch.dtype, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The inverse of `encode_heads`: [..., Σ_g widths[g]] in `dtype` (scale_dtype: see `dequantize`)."""
     out, at = [], 0
     for width, head in zip(widths, bands, strict=True):
         n_codes = sum(b.code_bytes for b in head)
         n_scales = sum(b.scale_bytes for b in head)
         codes, scales = rows[..., at : at + n_codes], rows[..., at + n_codes : at + n_codes + n_scales]
         at += n_codes + n_scales
-        out.append(dequantize(codes, scales, head, width, dtype))
+        out.append(dequantize(codes, scales, head, width, dtype, scale_dtype))
     return torch.cat(out, -1)

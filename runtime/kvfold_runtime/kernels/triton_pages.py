@@ -1,0 +1,370 @@
+"""Attention in Triton over a bits-format cache in the GPU page layout (kvfold_runtime.pages): codes read as whole
+32-bit words, two numbers unpacked by one 32-bit operation, made floats without an integer-to-float conversion, and
+multiplied by tensor cores (issue 50: a handful of instructions per cached number, where triton_bits.py's row
+kernel takes ~56).
+
+The paged cache is one uint8 tensor [num_blocks, (1,) P, C] (vLLM's view of a layer) whose every block is a page of
+pages.PageLayout. Requests are described as vLLM does (query_start_loc, seq_lens, block_table), and the contract is
+triton_bits.paged_bits_attention's: keys and values read back as bands.decode_heads gives them, in the query's
+dtype, then reference_attention (the model's scaling, float32 softmax and sums, query head h reads KV head
+h // group), causal, optionally within a sliding window. One difference in rounding: in half precision the band's
+scale is rounded to the query dtype before the level (q − 2^(b−1) + ½, exact) is multiplied by it and the product
+rounded once (bands.dequantize's scale_dtype); the reference rounds the float32 product only.
+
+A program owns (a few query tokens of one request, one KV head, one split of its context); its tile's rows are
+(query token, GQA member) pairs, so each code is unpacked once for the whole group. The layer's heads come in a few
+kinds (PageLayout.kinds: each chunk's width and band), compile-time constants: a program branches once, on its
+head's kind, into a loop whose every unpacking is fixed, so the compiler sees all of a key block's loads at once.
+Per key block of BLOCK_N tokens and per 16-dim chunk:
+  - a p-bit plane (p = 2, 4, 8) is p/2 words a token, dims 2k and 2k + 1 in the two 16-bit lanes of one word:
+    (word >> p·f) & mask gives two codes; 3, 5 and 6 bits OR in the second plane's bits (1 bit: a word that two
+    tokens share; 2 bits: a word a token);
+  - in half precision the lanes OR-ed into 0x4300 (bfloat16, codes < 2^7) or 0x6400 (float16) are 2^7 + q
+    (2^10 + q): a paired subtract and a paired multiply-add by the scale make the values; 8-bit codes in bfloat16
+    and float32 queries go through float32;
+  - the token's band scale byte c, s = 2^((c − 128)/8), once per (token, band).
+The chunks are joined pairwise (tl.join) into one [BLOCK_N, 16·NC] tile whose column NC·i + rev(c) is dim i of
+chunk c (rev: c's bits reversed), so each side is one tl.dot: the queries are loaded in that column order once, and
+the output is stored back in dim order. Splits of a long context are merged by triton_decode's combine kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfold_runtime.format import LayerDims
+from kvfold_runtime.kernels.triton_common import check_query, dot_options, head_table, tile, unit_columns
+from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
+from kvfold_runtime.pages import CHUNK, page_layout
+
+__all__ = ["paged_pages_attention"]
+
+# compiled for sm_90 (kvfold-bench kernels --aot sm_90), 4 warps over 64-token blocks keep four programs on an SM
+# at ≤ 128 registers; software pipelining (num_stages > 1) stages the words through shared memory and costs more
+# instructions than it hides
+NUM_WARPS = 4
+NUM_STAGES = 1
+BLOCK_N = 64
+
+
+@triton.jit
+def _words(cache_ptr, at, tok, valid, P: tl.constexpr):
+    """A p-bit plane's words for BLOCK_N tokens: [BLOCK_N, p/2] int32 (p = 2, 4, 8), or for p = 1 the word [BLOCK_N]
+    each token shares with its neighbour. `at` [BLOCK_N] int64: the plane's region in each token's page (16-byte
+    aligned), tok: the token's place in its page."""
+    words = (cache_ptr + at).to(tl.pointer_type(tl.int32), bitcast=True)
+    if P == 1:
+        return tl.load(words + tok // 2, mask=valid, other=0)
+    else:
+        W: tl.constexpr = P // 2
+        return tl.load(words[:, None] + tok[:, None] * W + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _high(hi_words, tok, f: tl.constexpr, W: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+    """Field f's pairs of the second plane (p₂ = 1 or 2 bits), shifted above the first plane's p₁ bits: [BLOCK_N, W]
+    int32, one for each of the first plane's words w (pair k = w·16/p₁ + f)."""
+    k = (tl.arange(0, W) * (16 // P1))[None, :] + f
+    if P2 == 1:  # bits 16h + 8·(token parity) + k of the word two tokens share
+        bits = (hi_words[:, None] >> (k + ((tok % 2) * 8)[:, None])) & 0x00010001
+    else:  # bits 16h + 2k of the token's word
+        bits = (hi_words >> (2 * k)) & 0x00030003
+    return bits << P1
+
+
+@triton.jit
+def _lanes(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
+    """Pairs of codes v (int32, lane h = bits 16h …) -> (lane 0, lane 1) values (q − 2^(b−1) + ½)·s in OUT, the
+    query dtype. In half precision with codes below 2^7 (bfloat16) or 2^10 (float16), a lane OR-ed into a magic
+    number is the 16-bit float 2^7 + q (2^10 + q): one 32-bit OR, one paired subtract (of an integer, exact) and one
+    paired multiply-add (·s + s/2, rounded once) make two numbers, with no integer-to-float conversion; otherwise in
+    float32. HALF = 2^(b−1) − ½."""
+    if OUT == tl.bfloat16 and WIDTH < 8:
+        m = v | 0x43004300
+        sh = s.to(tl.bfloat16)
+        half = (s * 0.5).to(tl.bfloat16)
+        lo = m.to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + HALF + 0.5)
+        hi = (m >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + HALF + 0.5)
+        return lo * sh + half, hi * sh + half
+    elif OUT == tl.float16:
+        m = v | 0x64006400
+        sh = s.to(tl.float16)
+        half = (s * 0.5).to(tl.float16)
+        lo = m.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + HALF + 0.5)
+        hi = (m >> 16).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + HALF + 0.5)
+        return lo * sh + half, hi * sh + half
+    else:
+        lo = (v & 0xFFFF).to(tl.float32) * s - HALF * s
+        hi = (v >> 16).to(tl.float32) * s - HALF * s
+        return lo.to(OUT), hi.to(OUT)
+
+
+@triton.jit
+def _pair2(words, hi_words, tok, f: tl.constexpr, P2: tl.constexpr):
+    """Field f of a 2-bit plane's word (pair k = f), with the 1-bit plane's bit above it when P2 = 1."""
+    v = (words >> (2 * f)) & 0x00030003
+    if P2 == 1:
+        v = v | (((hi_words[:, None] >> ((tok % 2) * 8 + f)[:, None]) & 0x00010001) << 2)
+    return v
+
+
+@triton.jit
+def _fields(words, hi_words, tok, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+            OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, 16] values of a chunk from its first plane's words (and its second plane's, P2 > 0): field f of
+    word w is pair k = w·16/p₁ + f, dims 2k and 2k + 1; the joins lay them out in dim order."""
+    W: tl.constexpr = P1 // 2
+    MASK: tl.constexpr = ((1 << P1) - 1) * 0x00010001
+    if P1 == 8:
+        v0 = words & MASK
+        v1 = (words >> 8) & MASK
+        if P2 > 0:
+            v0 = v0 | _high(hi_words, tok, 0, W, P1, P2)
+            v1 = v1 | _high(hi_words, tok, 1, W, P1, P2)
+        a0, b0 = _lanes(v0, s, HALF, WIDTH, OUT)
+        a1, b1 = _lanes(v1, s, HALF, WIDTH, OUT)
+        x = tl.join(tl.join(a0, a1), tl.join(b0, b1))
+    elif P1 == 4:
+        v0 = words & MASK
+        v1 = (words >> 4) & MASK
+        v2 = (words >> 8) & MASK
+        v3 = (words >> 12) & MASK
+        if P2 > 0:
+            v0 = v0 | _high(hi_words, tok, 0, W, P1, P2)
+            v1 = v1 | _high(hi_words, tok, 1, W, P1, P2)
+            v2 = v2 | _high(hi_words, tok, 2, W, P1, P2)
+            v3 = v3 | _high(hi_words, tok, 3, W, P1, P2)
+        a0, b0 = _lanes(v0, s, HALF, WIDTH, OUT)
+        a1, b1 = _lanes(v1, s, HALF, WIDTH, OUT)
+        a2, b2 = _lanes(v2, s, HALF, WIDTH, OUT)
+        a3, b3 = _lanes(v3, s, HALF, WIDTH, OUT)
+        x = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
+    else:
+        tl.static_assert(P1 == 2)
+        a0, b0 = _lanes(_pair2(words, hi_words, tok, 0, P2), s, HALF, WIDTH, OUT)
+        a1, b1 = _lanes(_pair2(words, hi_words, tok, 1, P2), s, HALF, WIDTH, OUT)
+        a2, b2 = _lanes(_pair2(words, hi_words, tok, 2, P2), s, HALF, WIDTH, OUT)
+        a3, b3 = _lanes(_pair2(words, hi_words, tok, 3, P2), s, HALF, WIDTH, OUT)
+        a4, b4 = _lanes(_pair2(words, hi_words, tok, 4, P2), s, HALF, WIDTH, OUT)
+        a5, b5 = _lanes(_pair2(words, hi_words, tok, 5, P2), s, HALF, WIDTH, OUT)
+        a6, b6 = _lanes(_pair2(words, hi_words, tok, 6, P2), s, HALF, WIDTH, OUT)
+        a7, b7 = _lanes(_pair2(words, hi_words, tok, 7, P2), s, HALF, WIDTH, OUT)
+        a = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+        b = tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7)))
+        x = tl.join(a, b)
+    return tl.reshape(x, [BLOCK_N, 16])
+
+
+@triton.jit
+def _chunk(cache_ptr, base, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BAND: tl.constexpr,
+           NC: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, 16] values of chunk C in the query dtype OUT for BLOCK_N tokens (WIDTH bits, in the head's scaled
+    band BAND; WIDTH 0: the head has no such chunk, zeros); base [BLOCK_N] int64: each token's page, in bytes; tok:
+    its place in the page; words_ptr: the head's row of the layout's table."""
+    if WIDTH == 0:
+        return tl.zeros([BLOCK_N, 16], OUT)
+    else:
+        region = base + tl.load(words_ptr + NC + C) // 16 * 16  # the layout's offsets are multiples of 16 bytes
+        if WIDTH == 16:  # float16 values, dim 2w + h in lane h of word w: the natural order
+            at = (cache_ptr + region).to(tl.pointer_type(tl.float16), bitcast=True)
+            return tl.load(at[:, None] + tok[:, None] * 16 + tl.arange(0, 16)[None, :], mask=valid[:, None],
+                           other=0.0).to(OUT)
+        else:
+            # the band's log8 scale byte, read in the word of four tokens' bytes it sits in (the chunks of one band
+            # read the same word: one load and one exp2 a band)
+            scale_at = base + tl.load(words_ptr + 2 * NC + BAND) // 16 * 16
+            word = tl.load((cache_ptr + scale_at).to(tl.pointer_type(tl.int32), bitcast=True) + tok // 4, mask=valid,
+                           other=0x80808080)
+            byte = (word >> ((tok % 4) * 8)) & 255
+            s = tl.exp2((byte.to(tl.float32) - 128.0) * 0.125)[:, None]
+            HALF: tl.constexpr = (1 << (WIDTH - 1)) - 0.5
+            P1: tl.constexpr = 8 if WIDTH == 8 else (4 if WIDTH >= 4 else 2)  # pages.PLANES
+            P2: tl.constexpr = WIDTH - P1
+            words = _words(cache_ptr, region, tok, valid, P1)
+            hi_words = words
+            if P2 > 0:
+                hi_words = _words(cache_ptr, region + PAGE * 2 * P1, tok, valid, P2)
+            return _fields(words, hi_words, tok, s, HALF, WIDTH, P1, P2, OUT, BLOCK_N)
+
+
+@triton.jit
+def _tile(cache_ptr, base, tok, valid, words_ptr, WIDTHS: tl.constexpr, BANDS: tl.constexpr, FIRST: tl.constexpr,
+          COUNT: tl.constexpr, NC: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Chunks FIRST … FIRST + COUNT − 1 joined: [BLOCK_N, 16·COUNT], column COUNT·i + rev(c − FIRST) = dim i of
+    chunk c (the module docstring)."""
+    if COUNT == 1:
+        return _chunk(cache_ptr, base, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, PAGE, OUT,
+                      BLOCK_N)
+    else:
+        a = _tile(cache_ptr, base, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, PAGE, OUT, BLOCK_N)
+        b = _tile(cache_ptr, base, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, PAGE,
+                  OUT, BLOCK_N)
+        return tl.reshape(tl.join(a, b), [BLOCK_N, 16 * COUNT])
+
+
+@triton.jit
+def _dims_of(cols, NC: tl.constexpr, LOG_NC: tl.constexpr):
+    """The head dim each tile column holds (the join order of _tile)."""
+    r = cols % NC
+    c = r * 0
+    for b in tl.static_range(LOG_NC):
+        c = c | (((r >> b) & 1) << (LOG_NC - 1 - b))
+    return c * 16 + cols // NC
+
+
+@triton.jit
+def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_words, table_ptr, stride_q, stride_o,
+            page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len, end, off_k, dk,
+            off_v, dv, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, GROUP: tl.constexpr,
+            QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, NC: tl.constexpr, LOG_NC: tl.constexpr, DOT_PREC: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """One program's attention for a head whose chunks have the widths KW (keys) and VW (values) and lie in the
+    scaled bands KB / VB: every unpacking below is fixed at compile time."""
+    BLOCK_D: tl.constexpr = 16 * NC
+    # the dtype values are made in: the query's (Triton's interpreter does bfloat16 arithmetic on raw bits: there,
+    # float32, see triton_common.dot_options)
+    VALUES: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    qi = mb * QUERIES + rows // GROUP
+    j = rows % GROUP
+    live = (rows < QUERIES * GROUP) & (qi < q_len)
+    qpos = end - q_len + qi
+    tok_q = (q_start + qi).to(tl.int64)
+    dims = _dims_of(tl.arange(0, BLOCK_D), NC, LOG_NC)  # the head dim of each tile column
+    q_at = q_ptr + tok_q[:, None] * stride_q + GROUP * off_k + j[:, None] * dk + dims[None, :]
+    q = tl.load(q_at, mask=live[:, None] & (dims < dk)[None, :], other=0.0)  # [BLOCK_M, BLOCK_D], tile order
+    if UPCAST:
+        q = q.to(tl.float32)
+    qt = tl.trans(q)
+
+    first = end - q_len + mb * QUERIES
+    hi = tl.minimum(first + QUERIES, end)
+    lo = first * 0
+    if window > 0:
+        lo = tl.maximum(first - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = lo + sp * chunk
+    hi = tl.minimum(lo + chunk, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + keys
+        valid = pos < hi
+        page = tl.load(table_ptr + r.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
+        base = page.to(tl.int64) * page_bytes
+        tok = pos % PAGE
+        kt = _tile(cache_ptr, base, tok, valid, k_words, KW, KB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
+        # the keys as the dot's first operand (64 rows): sm_90 builds use its warpgroup MMA
+        s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scaling  # [BLOCK_M, BLOCK_N]
+        seen = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        if window > 0:
+            seen = seen & (qpos[:, None] - pos[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _tile(cache_ptr, base, tok, valid, v_words, VW, VB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
+        p = p.to(q_ptr.dtype.element_ty)  # as the reference: weights in the value dtype, float32 sums
+        if UPCAST:
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        o_at = out_ptr + tok_q[:, None] * stride_o + GROUP * off_v + j[:, None] * dv + dims[None, :]
+        tl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=live[:, None] & (dims < dv)[None, :])
+    else:  # partial results as triton_decode's combine kernel reads them, in dim order
+        slot = (tok_q * num_kv_heads * GROUP + g * GROUP + j) * NUM_SPLITS + sp
+        tl.store(part_o_ptr + slot[:, None] * BLOCK_D + dims[None, :], o, mask=live[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + slot, lse, mask=live)
+
+
+@triton.jit
+def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr, kinds_ptr, layout_ptr, seq_lens_ptr,
+                  starts_ptr, table_ptr, stride_q, stride_o, page_bytes, stride_table, num_kv_heads, window, scaling,
+                  KINDS: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr, PAGE: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr,
+                  LOG_NC: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    mb = tl.program_id(0)
+    g = tl.program_id(1) // NUM_SPLITS
+    sp = tl.program_id(1) % NUM_SPLITS
+    r = tl.program_id(2)
+    q_start = tl.load(starts_ptr + r).to(tl.int32)
+    q_len = tl.load(starts_ptr + r + 1).to(tl.int32) - q_start
+    if mb * QUERIES >= q_len:  # the grid covers the longest request
+        return
+    off_k = tl.load(heads_ptr + g)
+    dk = tl.load(heads_ptr + num_kv_heads + g)
+    off_v = tl.load(heads_ptr + 2 * num_kv_heads + g)
+    dv = tl.load(heads_ptr + 3 * num_kv_heads + g)
+    end = tl.load(seq_lens_ptr + r).to(tl.int32)
+    kind = tl.load(kinds_ptr + g)
+    k_words = layout_ptr + g * 3 * NC  # this head's rows of the layout's table [2, G, 3, NC]
+    v_words = layout_ptr + (num_kv_heads + g) * 3 * NC
+    # one branch per kind of head in the layer (a warp-uniform choice made once per program)
+    for i in tl.static_range(len(KINDS)):
+        if kind == i:
+            _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_words, table_ptr, stride_q,
+                    stride_o, page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len,
+                    end, off_k, dk, off_v, dv, KINDS[i][0], KINDS[i][1], KINDS[i][2], KINDS[i][3], GROUP, QUERIES,
+                    PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, LOG_NC, DOT_PREC, UPCAST)
+
+
+def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, dims: LayerDims, *, scaling: float,
+                          sliding_window: int | None = None, out: torch.Tensor | None = None,
+                          max_query_len: int | None = None, max_seq_len: int | None = None,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """triton_bits.paged_bits_attention's contract over a cache in the page layout: query [T, Σ_h d_k(g(h))] ->
+    [T, Σ_h d_v(g(h))], kv [num_blocks, (1,) P, C] uint8 whose blocks are pages.PageLayout(dims, P) pages."""
+    check_query(query, dims.d_k, dims.d_v, dims.group)
+    blocks = kv.reshape(kv.shape[0], -1)
+    layout = page_layout(dims, kv.shape[-2])
+    if kv.dtype != torch.uint8 or blocks.shape[1] != layout.page * layout.row_bytes:
+        raise ValueError(f"the paged cache must be uint8 pages of {layout.page} × {layout.row_bytes} bytes, got "
+                         f"{kv.dtype} {tuple(kv.shape)}")
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    max_query_len = max(1, int(max_query_len))
+    if num_splits is None:
+        num_splits = 1
+        if max_query_len == 1:
+            context = block_table.shape[1] * layout.page if max_seq_len is None else max_seq_len
+            if sliding_window is not None:
+                context = min(context, sliding_window)
+            num_splits = default_splits(context, seq_lens.shape[0] * dims.num_kv_heads, _programs(str(query.device)))
+    if out is None:
+        out = query.new_empty(query.shape[0], dims.out_width)
+    group, g_count, tokens = dims.group, dims.num_kv_heads, query.shape[0]
+    nc = layout.tile_chunks
+    queries = max(1, min(max_query_len, 64 // group)) if max_query_len > 1 else 1
+    kinds = layout.kinds()[0]
+    if num_splits > 1:
+        part_o = torch.empty(tokens, g_count * group, num_splits, nc * CHUNK, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(tokens, g_count * group, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_lse = out
+    grid = (triton.cdiv(max_query_len, queries), g_count * num_splits, seq_lens.shape[0])
+    _pages_kernel[grid](
+        unit_columns(query), blocks, out, part_o, part_lse, head_table(dims.d_k, dims.d_v, query.device),
+        layout.head_kinds(query.device), layout.table(query.device), seq_lens, query_start_loc, block_table,
+        query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
+        scaling, KINDS=kinds, GROUP=group, QUERIES=queries, PAGE=layout.page, NUM_SPLITS=num_splits,
+        BLOCK_M=tile(queries * group), BLOCK_N=BLOCK_N, NC=nc, LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES, **dot_options(_pages_kernel, query.dtype))
+    if num_splits > 1:
+        _combine_kernel[(tokens, g_count * group)](
+            part_o, part_lse, out, head_table(dims.d_k, dims.d_v, query.device), out.stride(0), g_count, GROUP=group,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=nc * CHUNK)
+    return out

@@ -1,0 +1,241 @@
+"""The GPU page layout of a bits-format cache: a page of P tokens holds exactly the bytes of their P rows
+(kvfold_runtime.bands' `encode_heads` rows, keys then values), rearranged so that a GPU reads each band's codes
+with wide contiguous loads and unpacks them with shifts and masks.
+
+It applies to a layer whose bands are *aligned*: every band of 2..8 or 16 bits starts and ends on a multiple of
+CHUNK (16) dims, its scale is log8 (one byte), and so every head's width is a multiple of CHUNK too. The dims of
+a head then fall into chunks of 16 dims of one width b each, and a b-bit chunk is stored as one or two *planes*
+(PLANES): the low p₁ bits of its 16 codes, then (3, 5 and 6 bits) their high p₂ bits. One token's entry in a
+p-bit plane is the little-endian bit stream of its 16 p-bit fields, 2p bytes (dim i at bits i·p … i·p + p − 1):
+so a 32-bit word of a 4-bit plane holds 8 codes, one shift and one mask apart, and two tokens' 1-bit entries fill
+one word. A 16-bit chunk's plane holds its 16 float16 values (32 bytes).
+
+A page, per side (keys, then values), per KV head in order:
+
+    chunk 0's planes | chunk 1's planes | …          each plane [P tokens × 2p bytes], token-major
+    band 0's scales | band 1's scales | …            each [P tokens × 1 byte]; 16-bit bands have none
+
+Every region starts at a multiple of 16 bytes when P is a multiple of 16 (PAGE_MULTIPLE), so its loads can be
+16-byte aligned. The codes, scales and bytes per token are those of the rows, so a page is P × row_bytes bytes and
+vLLM's block accounting is unchanged; only the order of the bits differs. `PageLayout` owns the mapping: the byte
+map between P rows and a page (every page byte holds bits of one token only: plane entries are whole bytes), the
+per-chunk tables the Triton kernels read (kernels/triton_pages.py), and torch conversions both ways.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvfold_runtime.bands import Band
+from kvfold_runtime.format import LayerDims
+
+__all__ = ["CHUNK", "PAGE_MULTIPLE", "PLANES", "PageLayout", "aligned", "page_layout"]
+
+CHUNK = 16  # dims per chunk: bands start and end on multiples of it
+PAGE_MULTIPLE = 16  # tokens per page must be a multiple of it (16-byte aligned regions)
+PLANES = {2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,), 16: (16,)}  # a width's planes, low bits first
+TABLE_FIELDS = 3  # per (side, head, chunk): width (0: no dims), first plane's offset, its band's scale offset
+
+
+def aligned(dims: LayerDims) -> bool:
+    """Whether a layer's bands fit the page layout (module docstring)."""
+    if not dims.banded:
+        return False
+    return all(b.start % CHUNK == 0 and b.size % CHUNK == 0 and (b.bits == 16 or b.scale == "log8")
+               for head in (*dims.k_bands, *dims.v_bands) for b in head)
+
+
+def _entry_bit(p: int, bit: int) -> tuple[int, int]:
+    """(dim of the chunk, bit of its code's p-bit field) that bit `bit` of one token's p-bit plane entry holds.
+    Dims pair up: dim 2k + h sits in lane h (bits 16h …) of a 32-bit word, so one 32-bit operation works on two
+    dims and the lanes become two 16-bit floats. A p-bit plane (p = 2, 4, 8, 16) has 16/p fields a lane: pair k is
+    in word k // (16/p), at bits 16h + p·(k mod 16/p). A token's 1-bit entry is its byte 0 (lane 0: bit k is dim
+    2k) and byte 1 (lane 1: dim 2k + 1); two tokens share a word, their bytes interleaved (module docstring)."""
+    if p == 1:
+        return 2 * (bit % 8) + bit // 8, 0
+    word, lane_bit = divmod(bit, 32)
+    h, at = divmod(lane_bit, 16)
+    f, field_bit = divmod(at, p)
+    return 2 * (word * (16 // p) + f) + h, field_bit
+
+
+def _head_chunks(bands: tuple[Band, ...]) -> list[tuple[int, int]]:
+    """(width, band index among the head's scaled bands, or −1) per chunk, in dim order."""
+    out, scaled = [], 0
+    for band in bands:
+        out += [(band.bits, scaled if band.scaled else -1)] * (band.size // CHUNK)
+        scaled += band.scaled
+    return out
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where each byte of P token rows goes in a page (module docstring), for one aligned layer."""
+
+    dims: LayerDims
+    page: int  # tokens per page (vLLM's block size)
+
+    def __post_init__(self):
+        if not aligned(self.dims):
+            raise ValueError("the page layout needs bands aligned to 16 dims with log8 scales; this export's are "
+                             "not: re-export with kvfold's aligned allocation (the default), or use the row kernels")
+        if self.page % PAGE_MULTIPLE:
+            raise ValueError(f"a page of {self.page} tokens: the bits page layout needs a multiple of {PAGE_MULTIPLE}")
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.dims.row_bytes())
+
+    @property
+    def chunks(self) -> int:
+        """Chunks per head in the kernels' tables: the widest head's."""
+        return max(max(self.dims.d_k), max(self.dims.d_v)) // CHUNK
+
+    @property
+    def tile_chunks(self) -> int:
+        """Chunks per head in the kernels' tiles: a power of two."""
+        return 1 << (self.chunks - 1).bit_length()
+
+    def kinds(self) -> tuple[tuple, list[int]]:
+        """The layer's kinds of head, the kernels' constexprs: per kind (key widths, key bands, value widths, value
+        bands), each per chunk of the tile (width 0 past the head's dims; the band: its index among the head's
+        scaled bands, 0 where none), and each KV head's kind."""
+        def side(bands):
+            chunks = _head_chunks(bands)
+            chunks += [(0, -1)] * (self.tile_chunks - len(chunks))
+            return tuple(w for w, _ in chunks), tuple(max(b, 0) for _, b in chunks)
+
+        per_head = [side(k) + side(v) for k, v in zip(self.dims.k_bands, self.dims.v_bands, strict=True)]
+        kinds = tuple(dict.fromkeys(per_head))
+        return kinds, [kinds.index(h) for h in per_head]
+
+    def head_kinds(self, device) -> torch.Tensor:
+        """int32 [G]: each KV head's kind (`kinds`)."""
+        return _head_kinds(self, str(torch.device(device)))
+
+    @functools.cached_property
+    def _maps(self) -> tuple[list[list[int]], list[tuple[int, int, int, int]], list[list[list[int]]]]:
+        """(source bits of each page byte of a token [C][8] as row bit indices; where each page byte of token t lies,
+        (region, pair, one, within): region + (t // 2)·pair + (t % 2)·one + within, per page byte [C]; the kernels'
+        table [2][G][TABLE_FIELDS * chunks])."""
+        src, dest, table = [], [], []
+        row_at = page_at = 0  # the side's first byte in a row; the region being laid out in the page
+        for side_bands in (self.dims.k_bands, self.dims.v_bands):
+            side_table = []
+            for head in side_bands:
+                code_bytes = sum(b.code_bytes for b in head)
+                chunk_row_at = row_at  # a chunk's codes: 2b contiguous bytes of the row (aligned bands)
+                fields = [0] * (TABLE_FIELDS * self.chunks)
+                for c, (bits, _) in enumerate(_head_chunks(head)):
+                    fields[c], fields[self.chunks + c] = bits, page_at
+                    low = 0  # the code's bits this plane holds start here
+                    for p in PLANES[bits]:
+                        for byte in range(2 * p):  # one token's entry in this plane
+                            src.append([chunk_row_at * 8 + dim * bits + low + bit
+                                        for dim, bit in (_entry_bit(p, byte * 8 + k) for k in range(8))])
+                            # a 1-bit plane's word holds two tokens: their byte j at 2j and 2j + 1
+                            dest.append((page_at, 4, 1, 2 * byte) if p == 1 else (page_at, 4 * p, 2 * p, byte))
+                        page_at += self.page * 2 * p
+                        low += p
+                    chunk_row_at += 2 * bits
+                scale_row_at = row_at + code_bytes
+                scale_regions = []
+                for j in range(sum(b.scaled for b in head)):
+                    src.append([(scale_row_at + j) * 8 + k for k in range(8)])
+                    dest.append((page_at, 2, 1, 0))
+                    scale_regions.append(page_at)
+                    page_at += self.page
+                for band, region in enumerate(scale_regions):
+                    fields[2 * self.chunks + band] = region
+                side_table.append(fields)
+                row_at = scale_row_at + len(scale_regions)
+            table.append(side_table)
+        assert row_at == self.row_bytes and page_at == self.page * self.row_bytes
+        return src, dest, table
+
+    def table(self, device) -> torch.Tensor:
+        """int32 [2, G, TABLE_FIELDS, tile_chunks]: per side (keys, values) and KV head, each chunk's width (0: the
+        head has no such chunk), each chunk's first plane's byte offset in the page (a second plane follows at
+        + P·2p₁), and each scaled band's scale region's offset. Every offset is a multiple of 16 bytes."""
+        return _table(self, str(torch.device(device)))
+
+    def to_page(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [..., P, C] uint8 (P token rows) -> [..., P · C] uint8: their page."""
+        src_bits, page_byte = _torch_maps(self, str(rows.device))[:2]
+        bits = _bits(rows).flatten(-3)[..., src_bits]  # [..., P, C, 8]: each page byte's bits, token by token
+        out = rows.new_zeros(*rows.shape[:-2], self.page * self.row_bytes)
+        out[..., page_byte] = _pack(bits).flatten(-2)
+        return out
+
+    def to_rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_page`: [..., P · C] -> [..., P, C]."""
+        _, page_byte, inverse = _torch_maps(self, str(pages.device))[:3]
+        bits = _bits(pages[..., page_byte]).flatten(-2)[..., inverse]  # the rows' bits in row order
+        return _pack(bits.unflatten(-1, (self.page, self.row_bytes, 8)))
+
+    def slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [N] (block · P + position in block) -> [N, C] int64: the byte of the paged cache (flattened) that
+        each of a token's C page bytes goes to, in the order `row_page_bytes` gives them."""
+        region, pair, odd, within = _torch_maps(self, str(slots.device))[3]
+        block, at = slots.long().div(self.page, rounding_mode="floor"), slots.long()[:, None] % self.page
+        return block[:, None] * (self.page * self.row_bytes) + region + (at // 2) * pair + (at % 2) * odd + within
+
+    def row_page_bytes(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N, C] -> [N, C]: each token's bytes as its page holds them (scattered to `slot_bytes`)."""
+        one_token = _torch_maps(self, str(rows.device))[0][0]  # [C, 8] the row bits of a token's page bytes
+        return _pack(_bits(rows).flatten(-2)[..., one_token])
+
+    def write(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store token rows [N, C] at `slots` (block · P + place in the block, as vLLM's slot mapping) of a paged cache
+        [num_blocks, …, P · C bytes] (any view that flattens)."""
+        cache.view(-1)[self.slot_bytes(slots).flatten()] = self.row_page_bytes(rows).flatten()
+
+
+@functools.lru_cache(maxsize=256)
+def page_layout(dims: LayerDims, page: int) -> PageLayout:
+    """The (cached) layout of one layer's pages of `page` tokens."""
+    return PageLayout(dims, page)
+
+
+@functools.lru_cache(maxsize=256)
+def _table(layout: PageLayout, device: str) -> torch.Tensor:
+    table = torch.tensor(layout._maps[2], dtype=torch.int32)  # [2, G, TABLE_FIELDS * chunks]
+    table = table.unflatten(-1, (TABLE_FIELDS, layout.chunks))
+    return torch.nn.functional.pad(table, (0, layout.tile_chunks - layout.chunks)).contiguous().to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _head_kinds(layout: PageLayout, device: str) -> torch.Tensor:
+    return torch.tensor(layout.kinds()[1], dtype=torch.int32, device=device)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [...] -> [..., 8] its bits, least significant first."""
+    return (x[..., None] >> torch.arange(8, device=x.device, dtype=torch.uint8)) & 1
+
+
+def _pack(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 8] bits -> uint8 [...]."""
+    return (bits << torch.arange(8, device=bits.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=256)
+def _torch_maps(layout: PageLayout, device: str):
+    """`_maps` as index tensors on `device`: (src_bits [P, C, 8], the bit of the flattened P rows that each bit of
+    token t's page byte j holds; page_byte [P·C], the page offset of (t, j); inverse [P·C·8], where each row bit
+    lands among the (t, j, bit) page bits; (region, entry, within) [C] of a token's page bytes)."""
+    src, dest, _ = layout._maps
+    p, c = layout.page, layout.row_bytes
+    one = torch.tensor(src, dtype=torch.long)  # [C, 8]
+    region, pair, odd, within = (torch.tensor(col, dtype=torch.long) for col in zip(*dest, strict=True))
+    tokens = torch.arange(p)
+    page_byte = (region[None, :] + (tokens // 2)[:, None] * pair[None, :] + (tokens % 2)[:, None] * odd[None, :]
+                 + within[None, :]).flatten()
+    src_bits = tokens[:, None, None] * c * 8 + one[None]
+    inverse = torch.empty(p * c * 8, dtype=torch.long)
+    inverse[src_bits.flatten()] = torch.arange(p * c * 8)
+    return (*(t.to(device) for t in (src_bits, page_byte, inverse)),
+            tuple(t.to(device) for t in (region, pair, odd, within)))

@@ -1,0 +1,225 @@
+"""The GPU page layout (kvfold_runtime.pages) and its Triton kernel (kernels/triton_pages.py): a page is its tokens'
+rows with the bits moved (both ways, and written slot by slot as vLLM writes), every plane field where the layout
+says; the kernel equals the reference on decode_heads' keys and values — every width (16/8/6/5/4/3/2 bits), uneven
+widths (d_k ≠ d_v, heads of different kinds), GQA groups 3 and 8, pages of 16 and 32 tokens in shuffled blocks with
+0xFF bytes in every unwritten row, decode with split contexts, prefill and chunked prefill mixed in one batch,
+sliding windows, float32, bfloat16 and float16 queries. On CUDA when there is one, else in Triton's interpreter."""
+
+import os
+
+import pytest
+import torch
+
+from kvfold_runtime import LayerDims, bands_from_bits, reference_attention
+from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.pages import PLANES, PageLayout, aligned, page_layout
+from tests.conftest import rerun_in_triton_interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEEDS_CHILD = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+kernels = pytest.mark.skipif(NEEDS_CHILD, reason="no GPU: run in Triton's interpreter by test_in_the_interpreter")
+SCALE = 0.3
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
+def test_in_the_interpreter():
+    rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter")
+
+
+def _bits(*runs: tuple[int, int]) -> list[int]:
+    return [b for b, n in runs for _ in range(n)]
+
+
+def _layer(group, k_bits, v_bits) -> LayerDims:
+    return LayerDims(tuple(map(len, k_bits)), tuple(map(len, v_bits)), group,
+                     tuple(bands_from_bits(b) for b in k_bits), tuple(bands_from_bits(b) for b in v_bits))
+
+
+LAYERS = {
+    # three KV heads of three kinds, d_k 80/128/32 ≠ d_v 32/48/96, every width somewhere
+    "mixed": _layer(3, [_bits((16, 16), (8, 16), (5, 16), (3, 32)), _bits((6, 32), (4, 64), (2, 32)), _bits((4, 32))],
+                    [_bits((4, 16), (2, 16)), _bits((5, 16), (3, 32)), _bits((8, 16), (6, 16), (4, 32), (2, 32))]),
+    # one KV head, GQA group 8
+    "one head": _layer(8, [_bits((8, 32), (4, 32))], [_bits((3, 16))]),
+}
+
+
+def _kv(dims: LayerDims, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [n, Σd] with magnitudes falling along each head's dims, per-token magnitudes spanning 2^±2."""
+    def side(widths):
+        x = torch.randn(n, sum(widths), generator=g)
+        fall = torch.cat([torch.logspace(0.5, -0.5, w) for w in widths])
+        return x * fall * torch.exp2(torch.empty(n, 1).uniform_(-2, 2, generator=g))
+
+    return side(dims.d_k), side(dims.d_v)
+
+
+def _rows(dims: LayerDims, k, v) -> torch.Tensor:
+    return torch.cat([encode_heads(k, dims.d_k, dims.k_bands), encode_heads(v, dims.d_v, dims.v_bands)], -1)
+
+
+def test_aligned_layers_only():
+    assert all(aligned(d) for d in LAYERS.values())
+    odd = _layer(1, [_bits((4, 8), (2, 8))], [_bits((4, 16))])  # a band of 8 dims
+    assert not aligned(odd)
+    with pytest.raises(ValueError, match="aligned allocation"):
+        PageLayout(odd, 16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PageLayout(LAYERS["mixed"], 24)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_a_page_is_its_rows_rearranged(page):
+    """to_page / to_rows invert each other; writing rows slot by slot in any order gives the same pages."""
+    dims = LAYERS["mixed"]
+    layout = page_layout(dims, page)
+    g = torch.Generator().manual_seed(page)
+    rows = _rows(dims, *_kv(dims, 2 * page, g))
+    pages = layout.to_page(rows.view(2, page, -1))
+    assert pages.shape == (2, page * sum(dims.row_bytes()))
+    assert torch.equal(layout.to_rows(pages).reshape(2 * page, -1), rows)
+    cache = torch.full((4, page * layout.row_bytes), 255, dtype=torch.uint8)
+    slots = torch.cat([torch.arange(page) + 3 * page, torch.arange(page) + page])  # blocks 3 and 1
+    order = torch.randperm(2 * page, generator=g)
+    layout.write(cache, slots[order], rows[order])
+    assert torch.equal(cache[3], pages[0]) and torch.equal(cache[1], pages[1])
+    assert (cache[[0, 2]] == 255).all()
+
+
+def test_every_field_is_where_the_layout_says():
+    """Read each chunk's codes back from a page as the kernel does (pairs of dims in the lanes of 32-bit words; a
+    1-bit plane's word shared by two tokens) and compare with the row's codes."""
+    dims, page = LAYERS["mixed"], 16
+    layout = page_layout(dims, page)
+    g = torch.Generator().manual_seed(0)
+    rows = _rows(dims, *_kv(dims, page, g))
+    flat = layout.to_page(rows[None])[0]
+    table = layout.table("cpu")
+    tok = torch.arange(page)
+    for side, (widths, bands) in enumerate(((dims.d_k, dims.k_bands), (dims.d_v, dims.v_bands))):
+        row_at = side * dims.row_bytes()[0]
+        for h, head in enumerate(bands):
+            codes = _row_codes(rows[:, row_at:], head)  # [P, d] int
+            for c in range(widths[h] // 16):
+                width, region = int(table[side, h, 0, c]), int(table[side, h, 1, c])
+                got = torch.zeros(page, 16, dtype=torch.long)
+                low = 0
+                for p in PLANES[width]:
+                    got |= _plane_fields(flat, region, p, tok) << low
+                    region += page * 2 * p
+                    low += p
+                if width == 16:
+                    got = got & 0xFFFF
+                assert torch.equal(got, codes[:, 16 * c:16 * c + 16]), (side, h, c, width)
+            row_at += sum(b.code_bytes + b.scale_bytes for b in head)
+
+
+def _row_codes(rows: torch.Tensor, head) -> torch.Tensor:
+    """A head's codes (16-bit bands: the float16 bits) from its row, [P, d]."""
+    out, at = [], 0
+    for band in head:
+        bits = ((rows[:, at:at + band.code_bytes, None].long() >> torch.arange(8)) & 1).flatten(1)
+        out.append((bits[:, :band.size * band.bits].unflatten(1, (band.size, band.bits))
+                    << torch.arange(band.bits)).sum(-1))
+        at += band.code_bytes
+    return torch.cat(out, -1)
+
+
+def _plane_fields(flat: torch.Tensor, region: int, p: int, tok: torch.Tensor) -> torch.Tensor:
+    """[P, 16] the p-bit fields of a plane: dim 2k + h is lane h of a 32-bit word (module docs of pages)."""
+    words = flat[region:region + len(tok) * 2 * p].view(torch.int32).long() & 0xFFFFFFFF
+    out = torch.zeros(len(tok), 16, dtype=torch.long)
+    for k in range(8):
+        for h in range(2):
+            if p == 1:
+                word = words[tok // 2]
+                out[:, 2 * k + h] = (word >> (16 * h + 8 * (tok % 2) + k)) & 1
+            else:
+                per_lane = 16 // p
+                word = words.view(len(tok), p // 2)[:, k // per_lane]
+                out[:, 2 * k + h] = (word >> (16 * h + p * (k % per_lane))) & ((1 << p) - 1)
+    return out
+
+
+def _paged(dims: LayerDims, seq_lens, q_lens, dtype, page, seed):
+    """A paged cache of `page`-token pages holding each request's tokens in shuffled blocks (written slot by slot),
+    0xFF everywhere else; per request its rows and queries."""
+    g = torch.Generator().manual_seed(seed)
+    layout = page_layout(dims, page)
+    per = [(s + page - 1) // page for s in seq_lens]
+    order = torch.randperm(sum(per) + 3, generator=g)[: sum(per)] + 1
+    kv = torch.full((int(order.max()) + 2, 1, page, layout.row_bytes), 255, dtype=torch.uint8)
+    table = torch.zeros(len(seq_lens), max(per) + 1, dtype=torch.int32)
+    seqs, used = [], 0
+    for r, s in enumerate(seq_lens):
+        table[r, :per[r]] = order[used:used + per[r]]
+        used += per[r]
+        rows = _rows(dims, *_kv(dims, s, g))
+        pos = torch.arange(s)
+        layout.write(kv, table[r, pos // page].long() * page + pos % page, rows)
+        seqs.append((rows, torch.randn(q_lens[r], dims.q_width, generator=g).to(dtype)))
+    start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return (kv.to(DEVICE), table.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            start.to(DEVICE), torch.cat([s[1] for s in seqs]).to(DEVICE), seqs)
+
+
+def _reference(rows, q, dims: LayerDims, window):
+    """float32 attention of q (the last tokens) over decode_heads' keys and values of `rows` as the kernel reads them
+    in the query's dtype: the scale rounded to it, then the value (in Triton's interpreter the kernel makes bfloat16
+    values in float32)."""
+    k_bytes = dims.row_bytes()[0]
+    read = q.dtype if q.dtype == F16 or DEVICE == "cuda" else F32
+    k = decode_heads(rows[:, :k_bytes], dims.d_k, dims.k_bands, read, scale_dtype=read).float()
+    v = decode_heads(rows[:, k_bytes:], dims.d_v, dims.v_bands, read, scale_dtype=read).float()
+    t, s = q.shape[0], k.shape[0]
+    allowed = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+    if window is not None:
+        allowed &= torch.arange(s - t, s)[:, None] - torch.arange(s)[None, :] < window
+    want = reference_attention(q.float()[None], k[None], v[None], list(dims.d_k), list(dims.d_v), dims.group,
+                               scaling=SCALE, mask=allowed[None, None])[0]
+    weighted = reference_attention(q.float()[None], k[None], v.abs()[None], list(dims.d_k), list(dims.d_v),
+                                   dims.group, scaling=SCALE, mask=allowed[None, None])[0]
+    # how far a score can move when every key is one rounding off (Triton's interpreter rounds the kernel's
+    # multiply-add twice, the GPU once): scaling · Σ_d |q_d k_d| · 2u, the largest over the keys, per query head,
+    # spread over that head's output columns
+    u = {F32: 2.0 ** -24, F16: 2.0 ** -11, BF16: 2.0 ** -8}[q.dtype]
+    noise = []
+    for h in range(dims.group * dims.num_kv_heads):
+        g = h // dims.group
+        qh = q.float()[:, dims.group * dims.k_offsets[g] + (h % dims.group) * dims.d_k[g]:][:, :dims.d_k[g]]
+        kg = k[:, dims.k_offsets[g]:dims.k_offsets[g] + dims.d_k[g]]
+        bound = SCALE * (qh.abs() @ kg.abs().T).amax(-1, keepdim=True) * 2 * u  # [t, 1]
+        noise.append(bound.expand(-1, dims.d_v[g]))
+    return want, weighted, torch.cat(noise, -1)
+
+
+# (absolute, relative) error the output may carry besides the scores' noise: float32 sums in another order; in half
+# precision 2e-3 (as test_triton_bits) plus a rounding each of the value, the weights and the output (the interpreter
+# truncates float32 to bfloat16)
+TOLERANCE = {F32: (1e-5, 1e-5), F16: (2e-3, 3 * 2.0 ** -11), BF16: (2e-3, 3 * 2.0 ** -7)}
+
+
+@kernels
+@pytest.mark.parametrize(("layer", "seq_lens", "q_lens", "window", "splits", "dtype", "page"), [
+    ("mixed", [100, 1, 37, 64], [1] * 4, None, None, F32, 16),  # decode
+    ("mixed", [100, 1, 37, 64], [1] * 4, 20, 3, BF16, 16),
+    ("one head", [100, 1, 37, 64], [1] * 4, None, 2, F16, 32),
+    ("mixed", [40, 30, 45], [1, 30, 20], 10, None, BF16, 32),  # a decode, a prefill, a chunked prefill
+    ("mixed", [40, 30, 45], [1, 30, 20], None, None, F16, 16),
+    ("one head", [40, 30, 45], [1, 30, 20], 30, None, F32, 16)])
+def test_paged_matches_the_reference(layer, seq_lens, q_lens, window, splits, dtype, page):
+    from kvfold_runtime.kernels.triton_pages import paged_pages_attention
+
+    dims = LAYERS[layer]
+    kv, table, lens, start, q, seqs = _paged(dims, seq_lens, q_lens, dtype, page, seed=len(q_lens))
+    out = torch.full((q.shape[0], dims.out_width), float("nan"), dtype=dtype, device=DEVICE)
+    got = paged_pages_attention(q, kv, table, lens, start, dims, scaling=SCALE, sliding_window=window, out=out,
+                                num_splits=splits, max_query_len=max(q_lens))
+    assert got is out and not got.isnan().any()
+    for r, (rows, qr) in enumerate(seqs):
+        want, weighted, noise = _reference(rows, qr, dims, window)
+        err = (got[start[r]:start[r + 1]].float().cpu() - want).abs()
+        atol, rtol = TOLERANCE[dtype]
+        excess = err - (atol + rtol * want.abs() + (rtol + noise) * weighted)
+        assert excess.max() <= 0, (r, float(err.max()))
