@@ -41,25 +41,29 @@ from kvfold_runtime.pages import CHUNK, page_layout
 
 __all__ = ["paged_pages_attention"]
 
-# compiled for sm_90 (kvfold-bench kernels --aot sm_90), 4 warps over 64-token blocks keep four programs on an SM
-# at ≤ 128 registers; software pipelining (num_stages > 1) stages the words through shared memory and costs more
-# instructions than it hides
+# Compiled for sm_90 (kvfold-bench kernels --aot sm_90): 4 warps over 64-token blocks (128 where a head is at most 64
+# wide, so a block's softmax is shared by as many numbers) within 128 registers, four programs an SM; software
+# pipelining (num_stages > 1) stages the words through shared memory and costs more instructions than it hides.
 NUM_WARPS = 4
 NUM_STAGES = 1
-BLOCK_N = 64
+MAX_REGISTERS = 128
+
+
+def _block_n(chunks: int) -> int:
+    return 128 if chunks * CHUNK <= 64 else 64
 
 
 @triton.jit
-def _words(cache_ptr, at, tok, valid, P: tl.constexpr):
+def _words(rows, at, tok, valid, P: tl.constexpr):
     """A p-bit plane's words for BLOCK_N tokens: [BLOCK_N, p/2] int32 (p = 2, 4, 8), or for p = 1 the word [BLOCK_N]
-    each token shares with its neighbour. `at` [BLOCK_N] int64: the plane's region in each token's page (16-byte
-    aligned), tok: the token's place in its page."""
-    words = (cache_ptr + at).to(tl.pointer_type(tl.int32), bitcast=True)
+    each token shares with its neighbour. rows [BLOCK_N]: each token's page (a uint8 pointer); at: the plane's offset
+    in the page (int32), tok: the token's place in its page."""
     if P == 1:
-        return tl.load(words + tok // 2, mask=valid, other=0)
+        return tl.load((rows + (at + tok // 2 * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid, other=0)
     else:
         W: tl.constexpr = P // 2
-        return tl.load(words[:, None] + tok[:, None] * W + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
+        words = (rows + (at + tok * (2 * P))).to(tl.pointer_type(tl.int32), bitcast=True)
+        return tl.load(words[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
 
 
 @triton.jit
@@ -158,49 +162,48 @@ def _fields(words, hi_words, tok, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1
 
 
 @triton.jit
-def _chunk(cache_ptr, base, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BAND: tl.constexpr,
-           NC: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _chunk(rows, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BAND: tl.constexpr, NC: tl.constexpr,
+           PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N, 16] values of chunk C in the query dtype OUT for BLOCK_N tokens (WIDTH bits, in the head's scaled
-    band BAND; WIDTH 0: the head has no such chunk, zeros); base [BLOCK_N] int64: each token's page, in bytes; tok:
+    band BAND; WIDTH 0: the head has no such chunk, zeros); rows [BLOCK_N]: each token's page (a uint8 pointer); tok:
     its place in the page; words_ptr: the head's row of the layout's table."""
     if WIDTH == 0:
         return tl.zeros([BLOCK_N, 16], OUT)
     else:
-        region = base + tl.load(words_ptr + NC + C) // 16 * 16  # the layout's offsets are multiples of 16 bytes
+        region = tl.load(words_ptr + NC + C)  # the chunk's first plane in the page (a multiple of 16)
+        if WIDTH >= 8:  # 16- and 32-byte entries: let their loads be wide (4-bit ones do best as single words)
+            region = tl.multiple_of(region, 16)
         if WIDTH == 16:  # float16 values, dim 2w + h in lane h of word w: the natural order
-            at = (cache_ptr + region).to(tl.pointer_type(tl.float16), bitcast=True)
-            return tl.load(at[:, None] + tok[:, None] * 16 + tl.arange(0, 16)[None, :], mask=valid[:, None],
-                           other=0.0).to(OUT)
+            at = (rows + (region + tok * 32)).to(tl.pointer_type(tl.float16), bitcast=True)
+            return tl.load(at[:, None] + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0.0).to(OUT)
         else:
             # the band's log8 scale byte, read in the word of four tokens' bytes it sits in (the chunks of one band
             # read the same word: one load and one exp2 a band)
-            scale_at = base + tl.load(words_ptr + 2 * NC + BAND) // 16 * 16
-            word = tl.load((cache_ptr + scale_at).to(tl.pointer_type(tl.int32), bitcast=True) + tok // 4, mask=valid,
+            scale_at = tl.load(words_ptr + 2 * NC + BAND)
+            word = tl.load((rows + (scale_at + tok // 4 * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid,
                            other=0x80808080)
             byte = (word >> ((tok % 4) * 8)) & 255
             s = tl.exp2((byte.to(tl.float32) - 128.0) * 0.125)[:, None]
             HALF: tl.constexpr = (1 << (WIDTH - 1)) - 0.5
             P1: tl.constexpr = 8 if WIDTH == 8 else (4 if WIDTH >= 4 else 2)  # pages.PLANES
             P2: tl.constexpr = WIDTH - P1
-            words = _words(cache_ptr, region, tok, valid, P1)
+            words = _words(rows, region, tok, valid, P1)
             hi_words = words
             if P2 > 0:
-                hi_words = _words(cache_ptr, region + PAGE * 2 * P1, tok, valid, P2)
+                hi_words = _words(rows, region + PAGE * 2 * P1, tok, valid, P2)
             return _fields(words, hi_words, tok, s, HALF, WIDTH, P1, P2, OUT, BLOCK_N)
 
 
 @triton.jit
-def _tile(cache_ptr, base, tok, valid, words_ptr, WIDTHS: tl.constexpr, BANDS: tl.constexpr, FIRST: tl.constexpr,
+def _tile(rows, tok, valid, words_ptr, WIDTHS: tl.constexpr, BANDS: tl.constexpr, FIRST: tl.constexpr,
           COUNT: tl.constexpr, NC: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Chunks FIRST … FIRST + COUNT − 1 joined: [BLOCK_N, 16·COUNT], column COUNT·i + rev(c − FIRST) = dim i of
     chunk c (the module docstring)."""
     if COUNT == 1:
-        return _chunk(cache_ptr, base, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, PAGE, OUT,
-                      BLOCK_N)
+        return _chunk(rows, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, PAGE, OUT, BLOCK_N)
     else:
-        a = _tile(cache_ptr, base, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, PAGE, OUT, BLOCK_N)
-        b = _tile(cache_ptr, base, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, PAGE,
-                  OUT, BLOCK_N)
+        a = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, PAGE, OUT, BLOCK_N)
+        b = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, PAGE, OUT, BLOCK_N)
         return tl.reshape(tl.join(a, b), [BLOCK_N, 16 * COUNT])
 
 
@@ -212,6 +215,38 @@ def _dims_of(cols, NC: tl.constexpr, LOG_NC: tl.constexpr):
     for b in tl.static_range(LOG_NC):
         c = c | (((r >> b) & 1) << (LOG_NC - 1 - b))
     return c * 16 + cols // NC
+
+
+@triton.jit
+def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r, stride_table, page_bytes,
+          scale2, window, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, MASKED: tl.constexpr,
+          PAGE: tl.constexpr, NC: tl.constexpr, VALUES: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated. MASKED: keys past `hi`,
+    after a row's query or outside its window are hidden (a block every row sees whole needs no mask)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < hi
+    page = tl.load(table_ptr + r.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
+    rows = cache_ptr + page.to(tl.int64) * page_bytes  # each token's page
+    tok = pos % PAGE
+    kt = _tile(rows, tok, valid, k_words, KW, KB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
+    # the keys as the dot's first operand (BLOCK_N rows): sm_90 builds use its warpgroup MMA
+    s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        seen = valid[None, :] & (pos[None, :] <= qpos[:, None])
+        if window > 0:
+            seen = seen & (qpos[:, None] - pos[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that has seen no key yet: exp2 gives 0, not NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _tile(rows, tok, valid, v_words, VW, VB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
+    p = p.to(DTYPE)  # as the reference: weights in the value dtype, float32 sums
+    if UPCAST:
+        p = p.to(tl.float32)
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -249,34 +284,25 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     lo = lo + sp * chunk
     hi = tl.minimum(lo + chunk, hi)
 
+    scale2 = scaling * 1.4426950408889634  # scores in log2 units: exp2 needs no multiply of its own
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    keys = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + keys
-        valid = pos < hi
-        page = tl.load(table_ptr + r.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
-        base = page.to(tl.int64) * page_bytes
-        tok = pos % PAGE
-        kt = _tile(cache_ptr, base, tok, valid, k_words, KW, KB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
-        # the keys as the dot's first operand (64 rows): sm_90 builds use its warpgroup MMA
-        s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scaling  # [BLOCK_M, BLOCK_N]
-        seen = valid[None, :] & (pos[None, :] <= qpos[:, None])
-        if window > 0:
-            seen = seen & (qpos[:, None] - pos[None, :] < window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _tile(cache_ptr, base, tok, valid, v_words, VW, VB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
-        p = p.to(q_ptr.dtype.element_ty)  # as the reference: weights in the value dtype, float32 sums
-        if UPCAST:
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        m_i = m_new
+    if QUERIES > 1 or window > 0:  # rows see different keys: every block masked
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r,
+                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, VALUES,
+                                  q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
+    else:  # one query token, no window: it sees every key but those past the split's end, in its last block
+        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        for start in range(lo, full, BLOCK_N):
+            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r,
+                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, False, PAGE, NC, VALUES,
+                                  q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
+        if full < hi:
+            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, full, hi, qpos, r,
+                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, VALUES,
+                                  q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
@@ -286,7 +312,7 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     else:  # partial results as triton_decode's combine kernel reads them, in dim order
         slot = (tok_q * num_kv_heads * GROUP + g * GROUP + j) * NUM_SPLITS + sp
         tl.store(part_o_ptr + slot[:, None] * BLOCK_D + dims[None, :], o, mask=live[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+        lse = tl.where(l_i > 0, m_i * 0.6931471805599453 + tl.log(safe_l), float("-inf"))  # natural log again
         tl.store(part_lse_ptr + slot, lse, mask=live)
 
 
@@ -361,8 +387,8 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
         layout.head_kinds(query.device), layout.table(query.device), seq_lens, query_start_loc, block_table,
         query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
         scaling, KINDS=kinds, GROUP=group, QUERIES=queries, PAGE=layout.page, NUM_SPLITS=num_splits,
-        BLOCK_M=tile(queries * group), BLOCK_N=BLOCK_N, NC=nc, LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES, **dot_options(_pages_kernel, query.dtype))
+        BLOCK_M=tile(queries * group), BLOCK_N=_block_n(nc), NC=nc, LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS, **dot_options(_pages_kernel, query.dtype))
     if num_splits > 1:
         _combine_kernel[(tokens, g_count * group)](
             part_o, part_lse, out, head_table(dims.d_k, dims.d_v, query.device), out.stride(0), g_count, GROUP=group,
