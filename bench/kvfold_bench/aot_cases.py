@@ -2,9 +2,12 @@
 Llama-3-8B's layer shape (32 query / 8 KV heads, bfloat16; head_dim 128 or 64) on small CPU tensors of the real
 dtypes and strides, its Triton launches recorded (aot.capture), never run:
 
-- kvfold's bits decode (triton_bits: bits_attention, paged_bits_attention as kvfold's vLLM backend calls it) and
-  bits prefill, every dim kept in 4-bit bands (the band widths are table data, not constexprs: aot_report checks
-  that an 8/5/4 | 6/4-bit layer compiles to the same code);
+- kvfold's bits decode over the GPU page layout (triton_pages.paged_pages_attention, kvfold_runtime.pages): 4 bits
+  everywhere, and an export-like 8/5/4 | 6/4-bit mix on 16-dim bands (its widths are compile-time constants: each
+  mix is its own build);
+- kvfold's row-layout bits decode (triton_bits: bits_attention, paged_bits_attention) and bits prefill, every dim
+  kept in 4-bit bands (the band widths are table data, not constexprs: aot_report checks that an 8/5/4 | 6/4-bit
+  layer compiles to the same code);
 - kvfold's rank-format decode (triton_decode, contiguous and paged) and prefill (triton_prefill), every dim kept;
 - vLLM 0.32's `int4_per_token_head` decode: TritonAttentionImpl.forward with the metadata vLLM's builder makes on
   a GPU: the 3D (split) `_attn_packed` and `reduce_segments` at ≤ 128 / KV heads = 16 sequences, 2D past that.
@@ -47,6 +50,32 @@ def _bits_dims(d: int, mixed: bool = False):
         return bits_layer("bits 8/5/4 | 6/4", [(8, e), (5, 3 * e), (4, 4 * e)], [(6, 2 * e), (4, 6 * e)],
                           num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
     return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
+
+
+def _pages_dims(d: int, mixed: bool):
+    """The page layout's layers: bands on 16-dim chunks (at head_dim 64 the mix's narrowest bands are one chunk)."""
+    from kvfold_bench.kernels import bits_layer
+
+    if mixed:
+        e = max(16, d // 8)
+        return bits_layer("bits 8/5/4 | 6/4", [(8, e), (5, d // 2 - e), (4, d // 2)], [(6, 2 * e), (4, d - 2 * e)],
+                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
+    return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
+
+
+def pages_decode(d: int, mixed: bool = False) -> list[Launch]:
+    """The page-layout bits decode as kvfold's vLLM backend would call it on a GPU: uint8 pages of BLOCK tokens."""
+    from kvfold_runtime.kernels import triton_decode, triton_pages
+    from kvfold_runtime.pages import page_layout
+
+    dims, b = _pages_dims(d, mixed), DECODE_BATCH
+    layout = page_layout(dims, BLOCK)
+    with capture(triton_pages._pages_kernel, triton_decode._combine_kernel) as launches:
+        q = torch.zeros(b, dims.q_width, dtype=DTYPE)
+        kv = torch.zeros(8, 1, BLOCK, layout.row_bytes, dtype=torch.uint8)
+        triton_pages.paged_pages_attention(q, kv, *_paged_inputs(b, CONTEXT), dims, scaling=d ** -0.5,
+                                           max_query_len=1, max_seq_len=CONTEXT, num_splits=_splits(b, CONTEXT))
+    return launches
 
 
 def _paged_inputs(batch: int, context: int):
@@ -181,6 +210,9 @@ class Case:
 
 
 CASES = [
+    Case("kvfold bits decode, GPU page layout, 4 bits (paged)", pages_decode, "BLOCK_N", DECODE_BATCH),
+    Case("kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits (paged)", lambda d: pages_decode(d, mixed=True),
+         "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode (contiguous)", lambda d: bits_decode(d, paged=False), "BLOCK_N", DECODE_BATCH,
          True),
     Case("kvfold bits decode (paged)", lambda d: bits_decode(d, paged=True), "BLOCK_N", DECODE_BATCH, True),

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.triton_common import check_query, dot_options, head_table, tile, unit_columns
+from kvfold_runtime.kernels.triton_common import check_query, dot_options, head_table, unit_columns
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
 from kvfold_runtime.pages import CHUNK, page_layout
 
@@ -47,6 +47,9 @@ __all__ = ["paged_pages_attention"]
 NUM_WARPS = 4
 NUM_STAGES = 1
 MAX_REGISTERS = 128
+# a decode program's rows are its GQA group (4 for Llama-3-8B): 8 is the fewest the score product takes (the
+# warpgroup MMA's N), where 16 would spend twice the softmax work on padding rows
+MIN_ROWS = 8
 
 
 def _block_n(chunks: int) -> int:
@@ -387,7 +390,8 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
         layout.head_kinds(query.device), layout.table(query.device), seq_lens, query_start_loc, block_table,
         query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
         scaling, KINDS=kinds, GROUP=group, QUERIES=queries, PAGE=layout.page, NUM_SPLITS=num_splits,
-        BLOCK_M=tile(queries * group), BLOCK_N=_block_n(nc), NC=nc, LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
+        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)), BLOCK_N=_block_n(nc), NC=nc,
+        LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS, **dot_options(_pages_kernel, query.dtype))
     if num_splits > 1:
         _combine_kernel[(tokens, g_count * group)](
