@@ -223,3 +223,48 @@ def test_paged_matches_the_reference(layer, seq_lens, q_lens, window, splits, dt
         atol, rtol = TOLERANCE[dtype]
         excess = err - (atol + rtol * want.abs() + (rtol + noise) * weighted)
         assert excess.max() <= 0, (r, float(err.max()))
+
+
+@kernels
+def test_vllms_path_writes_pages_and_reads_them_where_triton_runs(monkeypatch):
+    """What vLLM's KVFOLD backend does with an aligned bits layer where the Triton kernels run (here
+    KVFOLD_KERNELS=triton in the interpreter): row_codec gives the page codec for its block size, write_paged puts
+    each token at its slot in page order (padding slots skipped), dispatch.paged runs the page kernel; with the
+    torch path forced, the same cache is read as rows. Both give the reference."""
+    from kvfold_runtime import row_codec, write_paged
+    from kvfold_runtime.kernels import dispatch, triton_pages
+    from kvfold_runtime.kernels.paged import BandPages, BandRows
+
+    dims, page = LAYERS["mixed"], 16
+    assert isinstance(row_codec(dims, page=page), BandPages)
+    assert type(row_codec(dims, page=24)) is BandRows and type(row_codec(dims)) is BandRows
+    g = torch.Generator().manual_seed(5)
+    seq_lens, q_lens = [40, 30], [1, 30]
+    codec = row_codec(dims, page=page)
+    kv = torch.full((8, 1, page, codec.layout.row_bytes), 255, dtype=torch.uint8)
+    table = torch.tensor([[3, 1, 6], [2, 5, 0]], dtype=torch.int32)
+    seqs = []
+    for r, s in enumerate(seq_lens):
+        k, v = _kv(dims, s, g)
+        pos = torch.arange(s)
+        slots = torch.cat([table[r, pos // page].long() * page + pos % page, torch.tensor([-1, -1])])  # padded
+        write_paged(kv, slots, torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), codec=codec)
+        seqs.append((_rows(dims, k, v), torch.randn(q_lens[r], dims.q_width, generator=g)))
+    q = torch.cat([s[1] for s in seqs])
+    start = torch.tensor([0, 1, 31], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    assert (kv[[0, 4, 7]] == 255).all()  # blocks no sequence holds
+    calls = []
+    real = triton_pages.paged_pages_attention
+    monkeypatch.setattr(triton_pages, "paged_pages_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = []
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv("KVFOLD_KERNELS", mode)
+        outs.append(dispatch.paged(q, kv, table, lens, start, list(dims.d_k), list(dims.d_v), dims.group,
+                                   scaling=SCALE, codec=codec, max_query_len=30))
+    assert calls == [1]
+    for got in outs:
+        for r, (rows, qr) in enumerate(seqs):
+            want, weighted, _ = _reference(rows, qr, dims, None)
+            err = (got[start[r]:start[r + 1]] - want).abs()
+            assert (err - 1e-5 * (1 + want.abs() + weighted)).max() <= 0, float(err.max())

@@ -4,8 +4,9 @@
 `triton` (also on CPU, where Triton needs TRITON_INTERPRET=1 set before it is first imported — the tests
 run the runtime that way). Cases the kernels do not cover fall back to the torch path in every mode:
 soft-capped scores (Gemma 2), masks the kernels do not take (triton_common.mask_problem: other dtypes, shapes,
-devices), fp8 caches, float64. A paged bits-format (band) cache takes the Triton bits kernel
-(triton_bits.paged_bits_attention: codes dequantized in registers) where the others would take Triton. The
+devices), fp8 caches, float64. A paged bits-format (band) cache takes the Triton bits kernels where the others
+would take Triton: in the GPU page layout (BandPages, chosen where they run) triton_pages.paged_pages_attention,
+else triton_bits.paged_bits_attention (codes dequantized in registers from the rows). The
 masks transformers passes (bool [B, 1, T, S], causal, left-padded or banded for sliding windows) go to the
 kernels. The torch path is kvfold_runtime.kernels.torch_sdpa / .paged; the layouts are paged.py's.
 """
@@ -18,6 +19,7 @@ import os
 import torch
 
 from kvfold_runtime.kernels.paged import (
+    BandPages,
     BandRows,
     NumberRows,
     RowCodec,
@@ -119,6 +121,15 @@ def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_
     a step needs no host round trip; a batch of one-token requests takes the decode kernel. `plans`: a dict
     that lives as long as the step (vLLM's attention metadata keeps one), where the torch path keeps the
     step's StepPlan per (block size, window) for the next layers."""
+    if isinstance(codec, BandPages):
+        if paged_kernels_for(query, codec) == "triton":
+            from kvfold_runtime.kernels import triton_pages  # imported only where _triton() imported
+
+            return triton_pages.paged_pages_attention(
+                query, kv, block_table, seq_lens.to(query.device), query_start_loc.to(query.device), codec.dims,
+                scaling=scaling, sliding_window=sliding_window, out=out, max_query_len=max_query_len,
+                max_seq_len=max_seq_len)
+        kv, codec = codec.as_rows(kv), BandRows(codec.dims)  # the torch path reads rows (a copy of the cache)
     if paged_kernels_for(query, codec) == "torch":
         if max_query_len == 1 and sliding_window is None:  # a decode step: C reads vLLM's table where it can
             done = decode_step_c(query, kv, block_table, seq_lens, codec, scaling=scaling, out=out)

@@ -47,9 +47,10 @@ from kvfold_runtime.kernels.cpu_bits import (
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
+from kvfold_runtime.pages import PAGE_MULTIPLE, PageLayout, aligned, page_layout
 
-__all__ = ["BandRows", "NumberRows", "RowCodec", "StepPlan", "decode_layer_c", "decode_step_c", "paged_attention",
-           "plan_step", "row_codec", "write_paged"]
+__all__ = ["BandPages", "BandRows", "NumberRows", "RowCodec", "StepPlan", "decode_layer_c", "decode_step_c",
+           "paged_attention", "plan_step", "row_codec", "write_paged"]
 
 
 class RowCodec(Protocol):
@@ -109,11 +110,33 @@ class BandRows:
                 decode_rows(rows[..., key_bytes:], d.d_v, d.v_bands, dtype))
 
 
+@dataclass(frozen=True)
+class BandPages(BandRows):
+    """Bits format in the GPU page layout (kvfold_runtime.pages): each block of the cache is a page, its tokens'
+    rows (BandRows' bytes) rearranged so the Triton page kernel (triton_pages.py) reads them with wide loads. Where
+    the Triton kernels run and a layer's bands are aligned; the same bytes per token."""
+
+    page: int = 16  # tokens per block
+
+    @property
+    def layout(self) -> PageLayout:
+        return page_layout(self.dims, self.page)
+
+    def as_rows(self, kv: torch.Tensor) -> torch.Tensor:
+        """The cache [num_blocks, …, P, C] with every page turned back into rows (a copy; for the torch path)."""
+        blocks = kv.reshape(kv.shape[0], -1)
+        return self.layout.to_rows(blocks).reshape(kv.shape)
+
+
 def row_codec(dims: LayerDims, fp8: torch.dtype | None = None, k_scale: float = 1.0,
-              v_scale: float = 1.0) -> NumberRows | BandRows:
-    """The codec of a layer's cache: its bands for a bits-format layer, else its numbers (`fp8`: as fp8 codes)."""
+              v_scale: float = 1.0, page: int | None = None) -> NumberRows | BandRows:
+    """The codec of a layer's cache: its bands for a bits-format layer, else its numbers (`fp8`: as fp8 codes).
+    `page`: the cache's block size where the Triton kernels read it: an aligned bits layer is then stored in the GPU
+    page layout (BandPages) when its blocks fit it (a multiple of pages.PAGE_MULTIPLE tokens)."""
     if dims.banded:
         assert fp8 is None, "band codes are not quantized again"
+        if page is not None and page % PAGE_MULTIPLE == 0 and aligned(dims):
+            return BandPages(dims, page)
         return BandRows(dims)
     return NumberRows(sum(dims.d_k), fp8, k_scale, v_scale, dims)
 
@@ -126,6 +149,10 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     n = slots.shape[0]
     k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
     codec = codec or NumberRows(k.shape[-1])
+    if isinstance(codec, BandPages):  # each token's bytes to their places in its block's page
+        keep = slots >= 0
+        codec.layout.write(kv, slots[keep], codec.encode(k[keep], v[keep], torch.uint8))
+        return
     if k.device.type == "cpu" and slots.device.type == "cpu" and rows.is_contiguous() and library() is not None:
         # straight into the slots, padding skipped in C: no row made aside, no padding check and scatter in torch
         # (their small ops, not the bytes, are what a decode step's write costs on a CPU)

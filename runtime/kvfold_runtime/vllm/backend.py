@@ -45,8 +45,8 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import row_codec, write_paged
-from kvfold_runtime.kernels.dispatch import paged
-from kvfold_runtime.kernels.paged import decode_layer_c
+from kvfold_runtime.kernels.dispatch import kernels_for, paged
+from kvfold_runtime.kernels.paged import BandPages, decode_layer_c
 from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["BACKEND_NAME", "KVFoldAttentionBackend"]
@@ -107,10 +107,12 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         self.attn_type = attn_type
         self._decode_layer = None  # kernels.paged.decode_layer_c's, made at the first decode step (False: none)
 
-    def _codec(self, layer):
-        """How this layer's rows are stored: its band codes (bits format), or its numbers in the model's dtype or
-        fp8 at the layer's k/v scales."""
-        return row_codec(self.dims, self.fp8, layer._k_scale_float, layer._v_scale_float)
+    def _codec(self, layer, query: torch.Tensor, kv_cache: torch.Tensor):
+        """How this layer's rows are stored: its band codes (bits format; in the GPU page layout, a block a page,
+        where the Triton kernels read the cache), or its numbers in the model's dtype or fp8 at the layer's k/v
+        scales. The same choice at every step: the query's device and the cache's block size do not change."""
+        page = kv_cache.shape[-2] if kernels_for(query) == "triton" else None
+        return row_codec(self.dims, self.fp8, layer._k_scale_float, layer._v_scale_float, page=page)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KVFoldMetadata | None, output: torch.Tensor, output_scale=None,
@@ -125,13 +127,14 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
             return output
         meta, n = attn_metadata, attn_metadata.num_actual_tokens
         writes = self.kv_sharing_target_layer_name is None and key is not None and value is not None
-        if writes and meta.max_query_len == 1 and self.sliding_window is None:  # decodes: one C call if it runs
+        codec = self._codec(layer, query, kv_cache)
+        if writes and meta.max_query_len == 1 and self.sliding_window is None and not isinstance(codec, BandPages):
+            # decodes: one C call if it runs (C reads rows, not pages)
             if self._decode_layer is None:
                 self._decode_layer = decode_layer_c(self.dims, kv_cache, self.fp8) or False
             if self._decode_layer and self._decode_layer(query[:n], key[:n], value[:n], meta.slot_mapping, kv_cache,
                                                          meta.block_table, meta.seq_lens, output[:n], self.scale):
                 return output
-        codec = self._codec(layer)
         if writes:
             write_paged(kv_cache, meta.slot_mapping, key[:n], value[:n], codec=codec)
         q = query[:n].reshape(n, -1)
