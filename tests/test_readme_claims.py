@@ -51,6 +51,7 @@ HOW: dict[str, Callable[..., object]] = {
     "min–max": lambda v: (min(v), max(v)),
     "tokens in K": lambda v: v / 1024,
     "count/of": lambda a, b: (a, b),
+    "a–b": lambda a, b: (a, b),
     "smallest measured point, top-1": lambda m: _smallest(m, joint=False),
     "smallest measured point, joint": lambda m: _smallest(m, joint=True),
     "CPUs in 'machine'": lambda v: int(re.search(r"(\d+) CPUs", v).group(1)),
@@ -68,7 +69,7 @@ class Claim:
 
 VLLM, PASSKEYS, QWEN = "frontier-vllm.json", "frontier-passkeys.json", "frontier-qwen.json"
 LIMITED, PAIRED, KERNELS = "serve-limited-128.json", "serve-paired.json", "kernels-h200.json"
-FP8 = "frontier-fp8.json"
+FP8, AOT = "frontier-fp8.json", "kernels-aot-sm90.json"
 M = "models/0/methods/name="  # a frontier method by name
 BITS = M + "kvfold-bits"
 
@@ -131,6 +132,13 @@ CLAIMS: list[Claim] = [
     Claim("1.6–4.4×", KERNELS, "rows/*kind=decode/kvfold_triton_ratio", "min–max"),
     Claim("24.7–31.2×", KERNELS, "rows/*kind=prefill/kvfold_triton_bits_ratio", "min–max"),
     Claim("9.1–14.7×", KERNELS, "rows/*kind=prefill/kvfold_triton_ratio", "min–max"),
+    # Limits: the kernels compiled for sm_90 without a GPU (head_dim 128 rows come first)
+    Claim("6.17", AOT, "rows/case=kvfold bits decode, GPU page layout, 4 bits (paged)/thread_instructions_per_number"),
+    Claim("55.8", AOT, "rows/case=kvfold bits decode (contiguous)/thread_instructions_per_number"),
+    Claim("14.5–23.3", AOT, ("rows/case=vLLM 0.32 int4_per_token_head decode (2D, 64 sequences)/"
+                             "thread_instructions_per_number",
+                             "rows/case=vLLM 0.32 int4_per_token_head decode (3D, 16 sequences)/"
+                             "thread_instructions_per_number"), "a–b"),
     # Limits: vLLM on CPU (float32 original; fp16 stated beside it)
     Claim("7,773", LIMITED, "configurations/export:bits/format_bytes_per_token"),
     Claim("46,080", LIMITED, "configurations/original/format_bytes_per_token", note="float32"),
