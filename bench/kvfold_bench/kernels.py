@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import kvfold
 from kvfold.errors import KVFoldError
 from kvfold_runtime import MANIFEST, LayerDims, head_dim, model_dims
+from kvfold_runtime.pages import aligned
 
 __all__ = ["LayerWidths", "bench_kernels", "synthetic_layer"]
 
@@ -35,6 +36,7 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 DECODE = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (64, 4096), (64, 32768)]
 PREFILL = [4096, 16384]
 SMOKE_DECODE, SMOKE_PREFILL = [(2, 96)], [48]
+PAGE = 16  # vLLM's KV block size on CUDA: a page of the GPU layout
 
 
 @dataclass(frozen=True)
@@ -117,11 +119,28 @@ def bits_layer(name: str, k_runs: list[tuple[int, int]], v_runs: list[tuple[int,
 
 
 def _bits_layers(head_dim: int, **shape) -> list[LayerWidths]:
-    """4 bits everywhere, and a mix like an export's at ~0.3 of fp16 (wider codes on the first dims)."""
-    eighth = head_dim // 8
+    """4 bits everywhere, and a mix like an export's at ~0.3 of fp16 (wider codes on the first dims), its bands on
+    16-dim chunks as export aligns them (at head_dim 128: an eighth, three eighths, a half | a quarter, the rest)."""
+    e = max(16, head_dim // 8)
     return [bits_layer("bits 4", [(4, head_dim)], [(4, head_dim)], head_dim=head_dim, **shape),
-            bits_layer("bits 8/5/4 | 6/4", [(8, eighth), (5, 3 * eighth), (4, 4 * eighth)],
-                       [(6, 2 * eighth), (4, 6 * eighth)], head_dim=head_dim, **shape)]
+            bits_layer("bits 8/5/4 | 6/4", [(8, e), (5, head_dim // 2 - e), (4, head_dim // 2)],
+                       [(6, 2 * e), (4, head_dim - 2 * e)], head_dim=head_dim, **shape)]
+
+
+def _pages(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
+    """A paged cache in the GPU page layout (kvfold_runtime.pages) holding b sequences of s tokens in pages of
+    PAGE tokens, full size (every token its own bytes, as a real cache is read), with its block table, seq_lens
+    and query_start_loc for b one-token queries. Its pages repeat up to 256 distinct ones (made by the encoder)."""
+    from kvfold_runtime.pages import page_layout
+
+    layout = page_layout(layer.dims, PAGE)
+    k_rows, v_rows = _bits_rows(layer, 1, min(b * s, 256 * PAGE), device, gen)
+    distinct = layout.to_page(torch.cat([k_rows, v_rows], -1).view(-1, PAGE, layout.row_bytes))
+    blocks = b * -(-s // PAGE)
+    kv = distinct.repeat(-(-blocks // distinct.shape[0]), 1)[:blocks].reshape(blocks, 1, PAGE, -1).contiguous()
+    table = torch.arange(blocks, dtype=torch.int32, device=device).view(b, -1)
+    return (kv, table, torch.full((b,), s, dtype=torch.int32, device=device),
+            torch.arange(b + 1, dtype=torch.int32, device=device))
 
 
 def _bits_rows(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
@@ -211,6 +230,16 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
         t = _time_into(row, "kvfold_triton_bits",
                        lambda: rt.bits_attention(q, k_rows, v_rows, layer.dims, scaling=scaling), t_sdpa, timed, reps)
         row["kvfold_triton_bits_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
+        if aligned(layer.dims):  # what vLLM runs on CUDA for such a layer: its cache in the GPU page layout
+            from kvfold_runtime.kernels.triton_pages import paged_pages_attention
+
+            del k_rows, v_rows
+            kv, table, lens, starts = _pages(layer, b, s, device, gen)
+            t = _time_into(row, "kvfold_triton_pages",
+                           lambda: paged_pages_attention(q[:, 0], kv, table, lens, starts, layer.dims,
+                                                         scaling=scaling, max_query_len=1, max_seq_len=s),
+                           t_sdpa, timed, reps)
+            row["kvfold_triton_pages_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
         row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
         return row
     k, v = rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
@@ -286,7 +315,9 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
         "notes": ["ratio = time / uncompressed SDPA's time on the same shape in this run; decode's ideal is 1 − p "
                   "(bytes read), prefill's the FLOP ratio Σ_h (d_k + d_v) / 2·H·d (a bits layer's FLOPs are SDPA's: "
                   "it dequantizes every kept dim)",
-                  "bits layers: p against 16-bit numbers; kvfold_triton_bits reads the band codes"],
+                  "bits layers: p against 16-bit numbers; kvfold_triton_bits reads the band codes as rows, "
+                  "kvfold_triton_pages (decode) in the GPU page layout vLLM keeps an aligned bits layer in (pages of "
+                  f"{PAGE} tokens)"],
     }
 
 
