@@ -192,3 +192,68 @@ def aot_report(arch: str = "sm_90", head_dims: tuple[int, ...] = (128, 64), case
                   "rank rows keep every dim (d_k = d_v = head_dim), the tile of an uncompressed bfloat16 cache",
                   "call: static count over one decode call of batch × context, every kernel it launches"],
     }
+
+
+def export_report(path, arch: str = "sm_90") -> dict:
+    """`kvfold-bench kernels --aot sm_90 --export PATH`: the page-layout decode compiled for every kind of KV head
+    an export's aligned bits layers have (kvfold_runtime.pages.PageLayout.kinds: each chunk's width), at the
+    export's shape (its heads, a decode call of aot_cases' batch and context). Per kind: the main loop's
+    thread-instructions per cached number of that kind's heads (tokens × (d_k + d_v)), registers, spills, the
+    narrowest load; and how many (layer, KV head) pairs have it."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig
+
+    from kvfold.errors import KVFoldError
+    from kvfold_bench import aot_cases as c
+    from kvfold_runtime import MANIFEST, LayerDims, model_dims
+    from kvfold_runtime.kernels import triton_decode, triton_pages
+    from kvfold_runtime.pages import aligned, page_layout
+
+    path = Path(path)
+    if arch != "sm_90":
+        raise KVFoldError(f"--aot {arch}: only sm_90 (H100 / H200) is modelled; pass --aot sm_90")
+    if not (path / MANIFEST).is_file():
+        raise KVFoldError(f"--export {path} is not a kvfold export (no {MANIFEST}); pass an export's folder")
+    layers = model_dims(AutoConfig.from_pretrained(path))
+    if not all(aligned(d) for d in layers):
+        raise KVFoldError(f"--export {path}: its bits bands are not all on 16-dim chunks, so vLLM serves it with the "
+                          "row kernels; re-export with --band-align 16 (the default) to count the page layout's")
+    sass.tools()
+    kinds: dict[tuple, dict] = {}
+    for n, dims in enumerate(layers):
+        found, of_head = page_layout(dims, c.BLOCK).kinds()
+        for g, k in enumerate(of_head):
+            entry = kinds.setdefault(found[k], {"heads": [], "dims": (dims, g)})
+            entry["heads"].append([n, g])
+    rows = []
+    for kind, entry in kinds.items():
+        dims, g = entry["dims"]
+        one = LayerDims((dims.d_k[g],) * dims.num_kv_heads, (dims.d_v[g],) * dims.num_kv_heads, dims.group,
+                        (dims.k_bands[g],) * dims.num_kv_heads, (dims.v_bands[g],) * dims.num_kv_heads)
+        layout, b = page_layout(one, c.BLOCK), c.DECODE_BATCH
+        with capture(triton_pages._pages_kernel, triton_decode._combine_kernel) as launches:
+            q = torch.zeros(b, one.q_width, dtype=c.DTYPE)
+            kv = torch.zeros(8, 1, c.BLOCK, layout.row_bytes, dtype=torch.uint8)
+            triton_pages.paged_pages_attention(
+                q, kv, torch.zeros(b, c.CONTEXT // c.BLOCK, dtype=torch.int32),
+                torch.full((b,), c.CONTEXT, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32), one,
+                scaling=1.0, max_query_len=1, max_seq_len=c.CONTEXT, num_splits=c._splits(b, c.CONTEXT))
+        f = kernel_figures(launches[0])
+        loop = f["main_loop"]
+        numbers = f["constexprs"]["BLOCK_N"] * (one.d_k[0] + one.d_v[0])
+        rows.append({"key_widths": list(kind[0]), "value_widths": list(kind[2]), "d_k": one.d_k[0],
+                     "d_v": one.d_v[0], "heads": len(entry["heads"]), "layer_heads": entry["heads"],
+                     "thread_instructions_per_number": round(loop["instructions"] * f["num_warps"] * 32 / numbers, 2),
+                     "main_loop_instructions": loop["instructions"], "registers": f["registers"],
+                     "spills": f["spills"], "narrowest_load_bytes": loop["narrowest_load_bytes"]})
+    total = sum(r["heads"] for r in rows)
+    return {"benchmark": "kernels --aot --export", "date": datetime.date.today().isoformat(), "arch": arch,
+            "export": str(path), "kinds": rows, "kv_heads": total,
+            "max_thread_instructions_per_number": max(r["thread_instructions_per_number"] for r in rows),
+            "mean_thread_instructions_per_number": round(
+                sum(r["thread_instructions_per_number"] * r["heads"] for r in rows) / total, 2),
+            "notes": [UNIT, "per kind: one layer of that kind's heads, decode of "
+                      f"{c.DECODE_BATCH} sequences × {c.CONTEXT} tokens in {c.BLOCK}-token pages; numbers are the "
+                      "kind's kept dims (d_k + d_v) per token; the mean weighs kinds by their (layer, KV head) pairs"]}

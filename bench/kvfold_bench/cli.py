@@ -78,7 +78,9 @@ def frontier(
 
 @app.command()
 def kernels(
-    export: Annotated[Path | None, typer.Option(help="Also time the median layer of this export's widths.")] = None,
+    export: Annotated[Path | None, typer.Option(help="Also time the median layer of this export's widths (with "
+                                                "--aot: compile the page-layout decode for each of its kinds of "
+                                                "head instead).")] = None,
     dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
     reps: Annotated[int, typer.Option(help="Timed repetitions per point (median).")] = 20,
     smoke: Annotated[bool, typer.Option("--smoke", help="Tiny shapes on any device (CPU: TRITON_INTERPRET=1); "
@@ -98,11 +100,11 @@ def kernels(
     from kvfold_bench.outputs import check_paths, write_outputs
 
     if aot is not None:
-        from kvfold_bench.aot import aot_report
+        from kvfold_bench.aot import aot_report, export_report
 
         with user_errors():
             check_paths(json_out)
-            report = aot_report(aot)
+            report = aot_report(aot) if export is None else export_report(export, aot)
             write_outputs(report, json_out, None, None)
         if json_out is None:
             print(json.dumps(report, indent=2))

@@ -6,6 +6,8 @@ Skips only where the Triton install lacks ptxas / nvdisasm / cuobjdump (its NVID
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvfold.errors import KVFoldError
@@ -110,3 +112,33 @@ def test_cli_takes_only_sm_90():
     from tests.test_cli import assert_user_error
 
     assert_user_error(CliRunner().invoke(app, ["kernels", "--aot", "sm_80"]), "only sm_90")
+
+
+def test_an_exports_kinds_of_head_are_compiled(tiny_dirs, tmp_path):
+    """--aot sm_90 --export: a tiny bits export (bands aligned, the default) compiled per kind of head, every
+    (layer, KV head) counted once; an export with bands anywhere is refused in one line."""
+    from typer.testing import CliRunner
+
+    from kvfold_bench.cli import app
+    from tests.conftest import write_tiny_text
+    from tests.runtime.conftest import write_export
+    from tests.test_cli import assert_user_error, run
+
+    text = write_tiny_text(tmp_path / "eval.txt")
+    model = tiny_dirs["LlamaForCausalLM"]
+    assert run("calibrate", model, "-o", tmp_path / "calib", "--tokens", 512, "--seq-len", 64).exit_code == 0
+    done = run("export", model, "--calib", tmp_path / "calib", "--eval-text", text, "--eval-tokens", 256,
+               "--margin", 0, "--accuracy", 0.5, "--format", "bits", "--passkey", 0, "-o", tmp_path / "aligned")
+    assert done.exit_code == 0, done.output
+    out = tmp_path / "aot.json"
+    done = CliRunner().invoke(app, ["kernels", "--aot", "sm_90", "--export", str(tmp_path / "aligned"), "--json",
+                                    str(out)])
+    assert done.exit_code == 0, done.output
+    report = json.loads(out.read_text())
+    pairs = [tuple(p) for kind in report["kinds"] for p in kind["layer_heads"]]
+    assert len(pairs) == len(set(pairs)) == report["kv_heads"] == 2 * 2  # the tiny Llama: 2 layers × 2 KV heads
+    assert all(k["thread_instructions_per_number"] > 0 and k["registers"] <= 128 for k in report["kinds"])
+    assert report["max_thread_instructions_per_number"] >= report["mean_thread_instructions_per_number"]
+    loose = write_export("LlamaForCausalLM", model, tmp_path / "loose", "uneven", bits="low")  # 4-dim bands
+    assert_user_error(CliRunner().invoke(app, ["kernels", "--aot", "sm_90", "--export", str(loose.path)]),
+                      "not all on 16-dim chunks")
