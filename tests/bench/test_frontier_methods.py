@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvfold.errors import KVFoldError
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import _patch
@@ -236,3 +237,18 @@ def test_int_per_token_and_kivi_count_their_scales(setup):
             span = (g.nan_to_num(-1e9).amax(-1) - g.nan_to_num(1e9).amin(-1)).repeat_interleave(32, -1)[..., :40]
         step = span / 15
         assert torch.all((y - x).abs() <= step * 0.5 * 1.01 + 1e-3 * step.amax()), dims
+
+
+def test_a_methods_grid_can_be_narrowed_for_a_focused_run():
+    """NAME@v1,v2: the same method sweeping only those knob values, kept through the run's ordering; a method
+    without a grid, or values that are not numbers, are refused in one line."""
+    from kvfold_bench.frontier.run import _ordered
+
+    bits, loose = get_methods(["kvfold-bits@4.5,4.25", "kvfold-bits-unaligned@4"])
+    assert (bits.name, bits.grid, loose.name, loose.grid) == ("kvfold-bits", (4.5, 4.25), "kvfold-bits-unaligned",
+                                                              (4.0,))
+    assert bits == replace(METHODS["kvfold-bits"], grid=(4.5, 4.25))
+    assert _ordered(["kvfold-bits@4.5", "kvfold+fp8"]) == ["kvfold-bits@4.5", "fp8", "kvfold+fp8"]
+    for bad in ("int4_per_token_head@4", "kvfold-bits@", "kvfold-bits@four"):
+        with pytest.raises(KVFoldError, match=r"knob grid"):
+            get_methods([bad])

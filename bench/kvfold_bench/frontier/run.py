@@ -24,12 +24,13 @@ __all__ = ["run_frontier"]
 
 def _ordered(names: list[str]) -> list[str]:
     """Each method after the one its sweep starts from (kvfold+fp8 after fp8), adding it if missing."""
-    out: list[str] = []
-    for m in get_methods(names):
-        if m.origin and m.origin not in out:
+    out: list[str] = []  # the names as given (a narrowed grid, NAME@…, kept)
+    for spec, m in zip(names, get_methods(names), strict=True):
+        taken = [o.partition("@")[0] for o in out]
+        if m.origin and m.origin not in taken:
             out.append(m.origin)
-        if m.name not in out:
-            out.append(m.name)
+        if m.name not in taken:
+            out.append(spec)
     return out
 
 

@@ -4,6 +4,8 @@ research/frontier_limit.py's references): run only when named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvfold.errors import KVFoldError
 
 from .base import Candidate, Method
@@ -77,8 +79,23 @@ def register(method: Method) -> None:
 
 
 def get_methods(names: list[str]) -> list[Method]:
-    names = [ALIASES.get(n, n) for n in names]
-    unknown = [n for n in names if n not in METHODS]
+    """The methods by name. A method with a knob grid takes its sweep narrowed after an @: `kvfold-bits@4.5,4.25`
+    sweeps those knob values only (the same method, fewer points: a focused comparison)."""
+    parsed = [(ALIASES.get(base, base), at + grid) for base, at, grid in (n.partition("@") for n in names)]
+    unknown = [n for n, _ in parsed if n not in METHODS]
     if unknown:
         raise KVFoldError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)} (fdc = zack)")
-    return [METHODS[n] for n in names]
+    out = []
+    for name, grid in parsed:
+        method = METHODS[name]
+        if grid:  # "@…"
+            try:
+                values = tuple(float(v) for v in grid[1:].split(","))
+            except ValueError:
+                values = ()
+            if not hasattr(method, "grid") or not values:
+                raise KVFoldError(f"--method {name}{grid}: only a method with a knob grid takes @v1,v2,… (numbers), "
+                                  f"e.g. kvfold-bits@4.5,4.25")
+            method = dataclasses.replace(method, grid=values)
+        out.append(method)
+    return out
