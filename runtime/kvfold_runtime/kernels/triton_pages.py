@@ -88,19 +88,14 @@ def _lanes(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
     number is the 16-bit float 2^7 + q (2^10 + q): one 32-bit OR, one paired subtract (of an integer, exact) and one
     paired multiply-add (·s + s/2, rounded once) make two numbers, with no integer-to-float conversion; otherwise in
     float32. HALF = 2^(b−1) − ½."""
-    if OUT == tl.bfloat16 and WIDTH < 8:
-        m = v | 0x43004300
-        sh = s.to(tl.bfloat16)
-        half = (s * 0.5).to(tl.bfloat16)
-        lo = m.to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + HALF + 0.5)
-        hi = (m >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + HALF + 0.5)
-        return lo * sh + half, hi * sh + half
-    elif OUT == tl.float16:
-        m = v | 0x64006400
-        sh = s.to(tl.float16)
-        half = (s * 0.5).to(tl.float16)
-        lo = m.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + HALF + 0.5)
-        hi = (m >> 16).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + HALF + 0.5)
+    if (OUT == tl.bfloat16 and WIDTH < 8) or OUT == tl.float16:
+        MAGIC: tl.constexpr = 0x43004300 if OUT == tl.bfloat16 else 0x64006400  # two lanes of 2^7 or 2^10
+        BASE: tl.constexpr = (128.0 if OUT == tl.bfloat16 else 1024.0) + HALF + 0.5  # an integer: exact
+        m = v | MAGIC
+        sh = s.to(OUT)
+        half = (s * 0.5).to(OUT)
+        lo = m.to(tl.int16).to(OUT, bitcast=True) - BASE
+        hi = (m >> 16).to(tl.int16).to(OUT, bitcast=True) - BASE
         return lo * sh + half, hi * sh + half
     else:
         lo = (v & 0xFFFF).to(tl.float32) * s - HALF * s
