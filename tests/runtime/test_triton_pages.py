@@ -10,10 +10,11 @@ import os
 import pytest
 import torch
 
-from kvfold_runtime import LayerDims, bands_from_bits, reference_attention
+from kvfold_runtime import LayerDims, reference_attention
 from kvfold_runtime.bands import decode_heads, encode_heads
 from kvfold_runtime.pages import PLANES, PageLayout, aligned, page_layout
 from tests.conftest import rerun_in_triton_interpreter
+from tests.runtime.test_triton_bits import _bits, _layer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEEDS_CHILD = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -27,21 +28,18 @@ def test_in_the_interpreter():
     rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter")
 
 
-def _bits(*runs: tuple[int, int]) -> list[int]:
-    return [b for b, n in runs for _ in range(n)]
-
-
-def _layer(group, k_bits, v_bits) -> LayerDims:
-    return LayerDims(tuple(map(len, k_bits)), tuple(map(len, v_bits)), group,
-                     tuple(bands_from_bits(b) for b in k_bits), tuple(bands_from_bits(b) for b in v_bits))
+def _aligned(group, k_bits, v_bits) -> LayerDims:
+    """A layer whose bands are all log8-scaled (the page layout's), from per-head widths (test_triton_bits._bits)."""
+    return _layer(group, k_bits, "log8", v_bits, "log8")
 
 
 LAYERS = {
     # three KV heads of three kinds, d_k 80/128/32 ≠ d_v 32/48/96, every width somewhere
-    "mixed": _layer(3, [_bits((16, 16), (8, 16), (5, 16), (3, 32)), _bits((6, 32), (4, 64), (2, 32)), _bits((4, 32))],
-                    [_bits((4, 16), (2, 16)), _bits((5, 16), (3, 32)), _bits((8, 16), (6, 16), (4, 32), (2, 32))]),
+    "mixed": _aligned(3, [_bits((16, 16), (8, 16), (5, 16), (3, 32)), _bits((6, 32), (4, 64), (2, 32)),
+                          _bits((4, 32))],
+                      [_bits((4, 16), (2, 16)), _bits((5, 16), (3, 32)), _bits((8, 16), (6, 16), (4, 32), (2, 32))]),
     # one KV head, GQA group 8
-    "one head": _layer(8, [_bits((8, 32), (4, 32))], [_bits((3, 16))]),
+    "one head": _aligned(8, [_bits((8, 32), (4, 32))], [_bits((3, 16))]),
 }
 
 
@@ -61,7 +59,7 @@ def _rows(dims: LayerDims, k, v) -> torch.Tensor:
 
 def test_aligned_layers_only():
     assert all(aligned(d) for d in LAYERS.values())
-    odd = _layer(1, [_bits((4, 8), (2, 8))], [_bits((4, 16))])  # a band of 8 dims
+    odd = _aligned(1, [_bits((4, 8), (2, 8))], [_bits((4, 16))])  # a band of 8 dims
     assert not aligned(odd)
     with pytest.raises(ValueError, match="aligned allocation"):
         PageLayout(odd, 16)
