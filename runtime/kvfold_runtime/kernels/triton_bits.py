@@ -31,7 +31,16 @@ import triton.language as tl
 
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import bits_table
-from kvfold_runtime.kernels.triton_common import check_query, dot_options, head_table, mask_args, tile, unit_columns
+from kvfold_runtime.kernels.triton_common import (
+    check_query,
+    dot_options,
+    head_table,
+    mask_args,
+    program_head,
+    program_task,
+    tile,
+    unit_columns,
+)
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
 
 __all__ = ["bits_attention", "paged_bits_attention"]
@@ -91,18 +100,10 @@ def _bits_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_p
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  PAGED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr):
-    mb = tl.program_id(0)
-    g = tl.program_id(1) // NUM_SPLITS
-    sp = tl.program_id(1) % NUM_SPLITS
-    r = tl.program_id(2)
-    q_start = tl.load(starts_ptr + r).to(tl.int32)
-    q_len = tl.load(starts_ptr + r + 1).to(tl.int32) - q_start
+    mb, g, sp, r, q_start, q_len = program_task(starts_ptr, NUM_SPLITS)
     if mb * QUERIES >= q_len:  # the grid covers the longest request
         return
-    off_k = tl.load(heads_ptr + g)
-    dk = tl.load(heads_ptr + num_kv_heads + g)
-    off_v = tl.load(heads_ptr + 2 * num_kv_heads + g)
-    dv = tl.load(heads_ptr + 3 * num_kv_heads + g)
+    off_k, dk, off_v, dv = program_head(heads_ptr, num_kv_heads, g)
     end = tl.load(seq_lens_ptr + r).to(tl.int32)
 
     rows = tl.arange(0, BLOCK_M)

@@ -9,10 +9,23 @@ import itertools
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["MASK_DTYPES", "check_paged", "check_query", "dot_options", "head_table", "mask_args", "mask_problem",
-           "supports_mask", "tile", "unit_columns"]
+__all__ = [
+    "MASK_DTYPES",
+    "check_paged",
+    "check_query",
+    "dot_options",
+    "head_table",
+    "mask_args",
+    "mask_problem",
+    "program_head",
+    "program_task",
+    "supports_mask",
+    "tile",
+    "unit_columns",
+]
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,3 +113,24 @@ def check_paged(query: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None)
                          "(kvfold_runtime.kernels.paged_attention)")
     if kv.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
         raise ValueError("the paged cache and `out` need contiguous rows (stride 1 along the last dimension)")
+
+
+@triton.jit
+def program_task(starts_ptr, NUM_SPLITS: tl.constexpr):
+    """A bits kernel program's task (triton_bits, triton_pages): (query block mb, KV head g, context split sp,
+    request r, the request's first query token and its query count), from its grid position
+    (query blocks, KV heads × splits, requests) and query_start_loc."""
+    mb = tl.program_id(0)
+    g = tl.program_id(1) // NUM_SPLITS
+    sp = tl.program_id(1) % NUM_SPLITS
+    r = tl.program_id(2)
+    q_start = tl.load(starts_ptr + r).to(tl.int32)
+    q_len = tl.load(starts_ptr + r + 1).to(tl.int32) - q_start
+    return mb, g, sp, r, q_start, q_len
+
+
+@triton.jit
+def program_head(heads_ptr, num_kv_heads, g):
+    """KV head g's (key column offset, d_k, value column offset, d_v) from head_table's [4, G] rows."""
+    return (tl.load(heads_ptr + g), tl.load(heads_ptr + num_kv_heads + g), tl.load(heads_ptr + 2 * num_kv_heads + g),
+            tl.load(heads_ptr + 3 * num_kv_heads + g))

@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 
 from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.triton_common import check_query, dot_options, head_table, unit_columns
+from kvfold_runtime.kernels.triton_common import (
+    check_query,
+    dot_options,
+    head_table,
+    program_head,
+    program_task,
+    unit_columns,
+)
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
 from kvfold_runtime.pages import CHUNK, page_layout
 
@@ -320,18 +327,10 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
                   KINDS: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr, PAGE: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr,
                   LOG_NC: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    mb = tl.program_id(0)
-    g = tl.program_id(1) // NUM_SPLITS
-    sp = tl.program_id(1) % NUM_SPLITS
-    r = tl.program_id(2)
-    q_start = tl.load(starts_ptr + r).to(tl.int32)
-    q_len = tl.load(starts_ptr + r + 1).to(tl.int32) - q_start
+    mb, g, sp, r, q_start, q_len = program_task(starts_ptr, NUM_SPLITS)
     if mb * QUERIES >= q_len:  # the grid covers the longest request
         return
-    off_k = tl.load(heads_ptr + g)
-    dk = tl.load(heads_ptr + num_kv_heads + g)
-    off_v = tl.load(heads_ptr + 2 * num_kv_heads + g)
-    dv = tl.load(heads_ptr + 3 * num_kv_heads + g)
+    off_k, dk, off_v, dv = program_head(heads_ptr, num_kv_heads, g)
     end = tl.load(seq_lens_ptr + r).to(tl.int32)
     kind = tl.load(kinds_ptr + g)
     k_words = layout_ptr + g * 3 * NC  # this head's rows of the layout's table [2, G, 3, NC]
