@@ -218,8 +218,9 @@ def export_report(path, arch: str = "sm_90") -> dict:
         raise KVFoldError(f"--export {path} is not a kvfold export (no {MANIFEST}); pass an export's folder")
     layers = model_dims(AutoConfig.from_pretrained(path))
     if not all(aligned(d) for d in layers):
-        raise KVFoldError(f"--export {path}: its bits bands are not all on 16-dim chunks, so vLLM serves it with the "
-                          "row kernels; re-export with --band-align 16 (the default) to count the page layout's")
+        raise KVFoldError(f"--export {path}: its bits bands are not all on 8- or 16-dim chunks, so vLLM serves it "
+                          "with the row kernels; re-export without --band-align (aligned by default) to count the page "
+                          "layout's")
     sass.tools()
     kinds: dict[tuple, dict] = {}
     for n, dims in enumerate(layers):

@@ -3,8 +3,8 @@ Llama-3-8B's layer shape (32 query / 8 KV heads, bfloat16; head_dim 128 or 64) o
 dtypes and strides, its Triton launches recorded (aot.capture), never run:
 
 - kvfold's bits decode over the GPU page layout (triton_pages.paged_pages_attention, kvfold_runtime.pages): 4 bits
-  everywhere, and an export-like 8/5/4 | 6/4-bit mix on 16-dim bands (its widths are compile-time constants: each
-  mix is its own build);
+  everywhere, and an export-like 8/5/4 | 6/4-bit mix on 16-dim bands and on 8-dim ones (its widths are compile-time
+  constants: each mix is its own build);
 - kvfold's row-layout bits decode (triton_bits: bits_attention, paged_bits_attention) and bits prefill, every dim
   kept in 4-bit bands (the band widths are table data, not constexprs: aot_report checks that an 8/5/4 | 6/4-bit
   layer compiles to the same code);
@@ -52,24 +52,26 @@ def _bits_dims(d: int, mixed: bool = False):
     return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
 
 
-def _pages_dims(d: int, mixed: bool):
-    """The page layout's layers: bands on 16-dim chunks (at head_dim 64 the mix's narrowest bands are one chunk)."""
+def _pages_dims(d: int, mixed: bool, chunk: int = 16):
+    """The page layout's layers: bands on 16-dim chunks (at head_dim 64 the mix's narrowest bands are one chunk), or
+    the mix on 8-dim chunks (its 8-bit band 8 dims wide: kvfold_runtime.pages.chunk_of is then 8)."""
     from kvfold_bench.kernels import bits_layer
 
     if mixed:
-        e = max(16, d // 8)
+        e = max(16, d // 8) if chunk == 16 else 8
         return bits_layer("bits 8/5/4 | 6/4", [(8, e), (5, d // 2 - e), (4, d // 2)], [(6, 2 * e), (4, d - 2 * e)],
                           num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
     return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
 
 
-def pages_decode(d: int, mixed: bool = False) -> list[Launch]:
+def pages_decode(d: int, mixed: bool = False, chunk: int = 16) -> list[Launch]:
     """The page-layout bits decode as kvfold's vLLM backend would call it on a GPU: uint8 pages of BLOCK tokens."""
     from kvfold_runtime.kernels import triton_decode, triton_pages
     from kvfold_runtime.pages import page_layout
 
-    dims, b = _pages_dims(d, mixed), DECODE_BATCH
+    dims, b = _pages_dims(d, mixed, chunk), DECODE_BATCH
     layout = page_layout(dims, BLOCK)
+    assert layout.chunk == chunk, (layout.chunk, chunk)
     with capture(triton_pages._pages_kernel, triton_decode._combine_kernel) as launches:
         q = torch.zeros(b, dims.q_width, dtype=DTYPE)
         kv = torch.zeros(8, 1, BLOCK, layout.row_bytes, dtype=torch.uint8)
@@ -213,6 +215,8 @@ CASES = [
     Case("kvfold bits decode, GPU page layout, 4 bits (paged)", pages_decode, "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits (paged)", lambda d: pages_decode(d, mixed=True),
          "BLOCK_N", DECODE_BATCH),
+    Case("kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits on 8-dim chunks (paged)",
+         lambda d: pages_decode(d, mixed=True, chunk=8), "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode (contiguous)", lambda d: bits_decode(d, paged=False), "BLOCK_N", DECODE_BATCH,
          True),
     Case("kvfold bits decode (paged)", lambda d: bits_decode(d, paged=True), "BLOCK_N", DECODE_BATCH, True),

@@ -2,17 +2,22 @@
 (kvfold_runtime.bands' `encode_heads` rows, keys then values), rearranged so that a GPU reads each band's codes
 with wide contiguous loads and unpacks them with shifts and masks.
 
-It applies to a layer whose bands are *aligned*: every band of 2..8 or 16 bits starts and ends on a multiple of
-CHUNK (16) dims, its scale is log8 (one byte), and so every head's width is a multiple of CHUNK too. The dims of
-a head then fall into chunks of 16 dims of one width b each, and a b-bit chunk is stored as one or two *planes*
-(PLANES): the low p₁ bits of its 16 codes, then (3, 5 and 6 bits) their high p₂ bits. One token's entry in a
-p-bit plane is the little-endian bit stream of its 16 p-bit fields, 2p bytes (dim i at bits i·p … i·p + p − 1):
-so a 32-bit word of a 4-bit plane holds 8 codes, one shift and one mask apart, and two tokens' 1-bit entries fill
-one word. A 16-bit chunk's plane holds its 16 float16 values (32 bytes).
+It applies to a layer whose bands are *aligned*: every band of 2..8 or 16 bits starts and ends on a multiple of a
+chunk of n = 16 or 8 dims (the layer's `chunk`: 16 where every band allows it), its scale is log8 (one byte), and
+so every head's width is a multiple of n too. The dims of a head then fall into chunks of n dims of one width b
+each, and a b-bit chunk is stored as one or two *planes* (PLANES): the low p₁ bits of its n codes, then (3, 5 and 6
+bits) their high p₂ bits. Dims pair up: dims 2k and 2k + 1 sit in the two 16-bit lanes of a 32-bit word, so one
+32-bit operation works on two numbers, and a lane holds L = n/2 · p bits of a token's plane entry (n·p/8 bytes):
+  - L ≥ 16: the token's entry is L/16 words, pair k in word k // (16/p) at bits 16h + p·(k mod 16/p) of lane h
+    (a 4-bit plane of 16 dims: two words of 8 codes each);
+  - L = 8 or 4 (1-bit planes of 16 dims, 2- and 1-bit planes of 8 dims): 16/L tokens share a word, token t's
+    bytes at byte t mod (16/L) of each lane (L = 8: its lane-h byte at byte 2h + t mod 2) or, L = 4, its one byte
+    at byte t mod 4, lane 0's bits in its low nibble and lane 1's in its high one; pair k at bit p·k of the lane.
+A 16-bit chunk's plane holds its n float16 values, dim 2w + h in lane h of word w.
 
 A page, per side (keys, then values), per KV head in order:
 
-    chunk 0's planes | chunk 1's planes | …          each plane [P tokens × 2p bytes], token-major
+    chunk 0's planes | chunk 1's planes | …          each plane [P tokens × n·p/8 bytes], token-major
     band 0's scales | band 1's scales | …            each [P tokens × 1 byte]; 16-bit bands have none
 
 Every region starts at a multiple of 16 bytes when P is a multiple of 16 (PAGE_MULTIPLE), so its loads can be
@@ -32,41 +37,68 @@ import torch
 from kvfold_runtime.bands import Band
 from kvfold_runtime.format import LayerDims
 
-__all__ = ["CHUNK", "PAGE_MULTIPLE", "PLANES", "PageLayout", "aligned", "page_layout"]
+__all__ = ["CHUNKS", "PAGE_MULTIPLE", "PLANES", "PageLayout", "aligned", "chunk_of", "page_layout"]
 
-CHUNK = 16  # dims per chunk: bands start and end on multiples of it
+# dims per chunk, the widest that a layer's bands allow first: 16-dim chunks make fewer, wider loads; 8-dim ones let
+# a head_dim-64 head's allocation place its bands at half the granularity (issue 50: the 16-dim alignment cost
+# SmolLM2 1.22x the mean KL of bands anywhere at 0.281 of fp16's bytes)
+CHUNKS = (16, 8)
 PAGE_MULTIPLE = 16  # tokens per page must be a multiple of it (16-byte aligned regions)
 PLANES = {2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1), 6: (4, 2), 8: (8,), 16: (16,)}  # a width's planes, low bits first
 TABLE_FIELDS = 3  # per (side, head, chunk): width (0: no dims), first plane's offset, its band's scale offset
 
 
+def chunk_of(dims: LayerDims) -> int | None:
+    """The layer's chunk (module docstring): the widest of CHUNKS its bands are aligned to, None if none fits (or
+    the layer is not banded, or a band's scale is not log8)."""
+    if not dims.banded:
+        return None
+    bands = [b for head in (*dims.k_bands, *dims.v_bands) for b in head]
+    if not all(b.bits == 16 or b.scale == "log8" for b in bands):
+        return None
+    return next((n for n in CHUNKS if all(b.start % n == 0 and b.size % n == 0 for b in bands)), None)
+
+
 def aligned(dims: LayerDims) -> bool:
     """Whether a layer's bands fit the page layout (module docstring)."""
-    if not dims.banded:
-        return False
-    return all(b.start % CHUNK == 0 and b.size % CHUNK == 0 and (b.bits == 16 or b.scale == "log8")
-               for head in (*dims.k_bands, *dims.v_bands) for b in head)
+    return chunk_of(dims) is not None
 
 
-def _entry_bit(p: int, bit: int) -> tuple[int, int]:
-    """(dim of the chunk, bit of its code's p-bit field) that bit `bit` of one token's p-bit plane entry holds.
-    Dims pair up: dim 2k + h sits in lane h (bits 16h …) of a 32-bit word, so one 32-bit operation works on two
-    dims and the lanes become two 16-bit floats. A p-bit plane (p = 2, 4, 8, 16) has 16/p fields a lane: pair k is
-    in word k // (16/p), at bits 16h + p·(k mod 16/p). A token's 1-bit entry is its byte 0 (lane 0: bit k is dim
-    2k) and byte 1 (lane 1: dim 2k + 1); two tokens share a word, their bytes interleaved (module docstring)."""
-    if p == 1:
-        return 2 * (bit % 8) + bit // 8, 0
+def lane_bits(n: int, p: int) -> int:
+    """L: the bits of a token's p-bit plane entry in each 16-bit lane, for chunks of n dims."""
+    return n // 2 * p
+
+
+def _entry_bit(n: int, p: int, bit: int) -> tuple[int, int]:
+    """(dim of the chunk, bit of its code's p-bit field) that bit `bit` of one token's p-bit plane entry holds, for
+    chunks of n dims (module docstring: dim 2k + h in lane h; L ≥ 16: pair k in word k // (16/p) at bits
+    16h + p·(k mod 16/p); L < 16: the entry's first L bits are lane 0's, the next L lane 1's, pair k at bit p·k)."""
+    lane = lane_bits(n, p)
+    if lane < 16:
+        h, at = divmod(bit, lane)
+        k, field_bit = divmod(at, p)
+        return 2 * k + h, field_bit
     word, lane_bit = divmod(bit, 32)
     h, at = divmod(lane_bit, 16)
     f, field_bit = divmod(at, p)
     return 2 * (word * (16 // p) + f) + h, field_bit
 
 
-def _head_chunks(bands: tuple[Band, ...]) -> list[tuple[int, int]]:
-    """(width, band index among the head's scaled bands, or −1) per chunk, in dim order."""
+def _entry_bytes(n: int, p: int, page_at: int) -> list[tuple[int, int, int, int, int]]:
+    """Where byte j of token t's p-bit plane entry lies, per j: (region, group, one, within, tokens) for the byte
+    region + (t // tokens)·group + (t mod tokens)·one + within (module docstring)."""
+    lane, size = lane_bits(n, p), n * p // 8
+    if lane >= 16:
+        return [(page_at, size, 0, j, 1) for j in range(size)]
+    share = 16 // lane  # tokens per word: the lane-h byte of token t at byte share·h + t mod share (L = 8), or t mod 4
+    return [(page_at, 4, 1, share * j, share) for j in range(size)]
+
+
+def _head_chunks(bands: tuple[Band, ...], n: int) -> list[tuple[int, int]]:
+    """(width, band index among the head's scaled bands, or −1) per chunk of n dims, in dim order."""
     out, scaled = [], 0
     for band in bands:
-        out += [(band.bits, scaled if band.scaled else -1)] * (band.size // CHUNK)
+        out += [(band.bits, scaled if band.scaled else -1)] * (band.size // n)
         scaled += band.scaled
     return out
 
@@ -80,7 +112,7 @@ class PageLayout:
 
     def __post_init__(self):
         if not aligned(self.dims):
-            raise ValueError("the page layout needs bands aligned to 16 dims with log8 scales; this export's are "
+            raise ValueError("the page layout needs bands aligned to 8 or 16 dims with log8 scales; this export's are "
                              "not: re-export with kvfold's aligned allocation (the default), or use the row kernels")
         if self.page % PAGE_MULTIPLE:
             raise ValueError(f"a page of {self.page} tokens: the bits page layout needs a multiple of {PAGE_MULTIPLE}")
@@ -90,9 +122,14 @@ class PageLayout:
         return sum(self.dims.row_bytes())
 
     @property
+    def chunk(self) -> int:
+        """Dims per chunk (chunk_of)."""
+        return chunk_of(self.dims)
+
+    @property
     def chunks(self) -> int:
         """Chunks per head in the kernels' tables: the widest head's."""
-        return max(max(self.dims.d_k), max(self.dims.d_v)) // CHUNK
+        return max(max(self.dims.d_k), max(self.dims.d_v)) // self.chunk
 
     @property
     def tile_chunks(self) -> int:
@@ -104,7 +141,7 @@ class PageLayout:
         bands), each per chunk of the tile (width 0 past the head's dims; the band: its index among the head's
         scaled bands, 0 where none), and each KV head's kind."""
         def side(bands):
-            chunks = _head_chunks(bands)
+            chunks = _head_chunks(bands, self.chunk)
             chunks += [(0, -1)] * (self.tile_chunks - len(chunks))
             return tuple(w for w, _ in chunks), tuple(max(b, 0) for _, b in chunks)
 
@@ -119,33 +156,33 @@ class PageLayout:
     @functools.cached_property
     def _maps(self) -> tuple[list[list[int]], list[tuple[int, int, int, int]], list[list[list[int]]]]:
         """(source bits of each page byte of a token [C][8] as row bit indices; where each page byte of token t lies,
-        (region, pair, one, within): region + (t // 2)·pair + (t % 2)·one + within, per page byte [C]; the kernels'
-        table [2][G][TABLE_FIELDS * chunks])."""
+        (region, group, one, within, tokens) per page byte [C] (_entry_bytes); the kernels' table
+        [2][G][TABLE_FIELDS * chunks])."""
+        n = self.chunk
         src, dest, table = [], [], []
         row_at = page_at = 0  # the side's first byte in a row; the region being laid out in the page
         for side_bands in (self.dims.k_bands, self.dims.v_bands):
             side_table = []
             for head in side_bands:
                 code_bytes = sum(b.code_bytes for b in head)
-                chunk_row_at = row_at  # a chunk's codes: 2b contiguous bytes of the row (aligned bands)
+                chunk_row_at = row_at  # a chunk's codes: n·b/8 contiguous bytes of the row (aligned bands)
                 fields = [0] * (TABLE_FIELDS * self.chunks)
-                for c, (bits, _) in enumerate(_head_chunks(head)):
+                for c, (bits, _) in enumerate(_head_chunks(head, n)):
                     fields[c], fields[self.chunks + c] = bits, page_at
                     low = 0  # the code's bits this plane holds start here
                     for p in PLANES[bits]:
-                        for byte in range(2 * p):  # one token's entry in this plane
+                        for byte in range(n * p // 8):  # one token's entry in this plane
                             src.append([chunk_row_at * 8 + dim * bits + low + bit
-                                        for dim, bit in (_entry_bit(p, byte * 8 + k) for k in range(8))])
-                            # a 1-bit plane's word holds two tokens: their byte j at 2j and 2j + 1
-                            dest.append((page_at, 4, 1, 2 * byte) if p == 1 else (page_at, 4 * p, 2 * p, byte))
-                        page_at += self.page * 2 * p
+                                        for dim, bit in (_entry_bit(n, p, byte * 8 + k) for k in range(8))])
+                        dest += _entry_bytes(n, p, page_at)
+                        page_at += self.page * n * p // 8
                         low += p
-                    chunk_row_at += 2 * bits
+                    chunk_row_at += n * bits // 8
                 scale_row_at = row_at + code_bytes
                 scale_regions = []
                 for j in range(sum(b.scaled for b in head)):
                     src.append([(scale_row_at + j) * 8 + k for k in range(8)])
-                    dest.append((page_at, 2, 1, 0))
+                    dest.append((page_at, 1, 0, 0, 1))
                     scale_regions.append(page_at)
                     page_at += self.page
                 for band, region in enumerate(scale_regions):
@@ -159,7 +196,7 @@ class PageLayout:
     def table(self, device) -> torch.Tensor:
         """int32 [2, G, TABLE_FIELDS, tile_chunks]: per side (keys, values) and KV head, each chunk's width (0: the
         head has no such chunk), each chunk's first plane's byte offset in the page (a second plane follows at
-        + P·2p₁), and each scaled band's scale region's offset. Every offset is a multiple of 16 bytes."""
+        + P·n·p₁/8), and each scaled band's scale region's offset. Every offset is a multiple of 16 bytes."""
         return _table(self, str(torch.device(device)))
 
     def to_page(self, rows: torch.Tensor) -> torch.Tensor:
@@ -179,9 +216,10 @@ class PageLayout:
     def slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
         """slots [N] (block · P + position in block) -> [N, C] int64: the byte of the paged cache (flattened) that
         each of a token's C page bytes goes to, in the order `row_page_bytes` gives them."""
-        region, pair, odd, within = _torch_maps(self, str(slots.device))[3]
+        region, group, one, within, tokens = _torch_maps(self, str(slots.device))[3]
         block, at = slots.long().div(self.page, rounding_mode="floor"), slots.long()[:, None] % self.page
-        return block[:, None] * (self.page * self.row_bytes) + region + (at // 2) * pair + (at % 2) * odd + within
+        return (block[:, None] * (self.page * self.row_bytes) + region + (at // tokens) * group + (at % tokens) * one
+                + within)
 
     def row_page_bytes(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [N, C] -> [N, C]: each token's bytes as its page holds them (scattered to `slot_bytes`)."""
@@ -226,16 +264,15 @@ def _pack(bits: torch.Tensor) -> torch.Tensor:
 def _torch_maps(layout: PageLayout, device: str):
     """`_maps` as index tensors on `device`: (src_bits [P, C, 8], the bit of the flattened P rows that each bit of
     token t's page byte j holds; page_byte [P·C], the page offset of (t, j); inverse [P·C·8], where each row bit
-    lands among the (t, j, bit) page bits; (region, entry, within) [C] of a token's page bytes)."""
+    lands among the (t, j, bit) page bits; (region, group, one, within, tokens) [C] of a token's page bytes)."""
     src, dest, _ = layout._maps
     p, c = layout.page, layout.row_bytes
-    one = torch.tensor(src, dtype=torch.long)  # [C, 8]
-    region, pair, odd, within = (torch.tensor(col, dtype=torch.long) for col in zip(*dest, strict=True))
-    tokens = torch.arange(p)
-    page_byte = (region[None, :] + (tokens // 2)[:, None] * pair[None, :] + (tokens % 2)[:, None] * odd[None, :]
-                 + within[None, :]).flatten()
-    src_bits = tokens[:, None, None] * c * 8 + one[None]
+    first = torch.tensor(src, dtype=torch.long)  # [C, 8]
+    where = [torch.tensor(col, dtype=torch.long) for col in zip(*dest, strict=True)]
+    region, group, one, within, share = where
+    t = torch.arange(p)[:, None]
+    page_byte = (region + (t // share) * group + (t % share) * one + within).flatten()
+    src_bits = torch.arange(p)[:, None, None] * c * 8 + first[None]
     inverse = torch.empty(p * c * 8, dtype=torch.long)
     inverse[src_bits.flatten()] = torch.arange(p * c * 8)
-    return (*(t.to(device) for t in (src_bits, page_byte, inverse)),
-            tuple(t.to(device) for t in (region, pair, odd, within)))
+    return (*(x.to(device) for x in (src_bits, page_byte, inverse)), tuple(x.to(device) for x in where))

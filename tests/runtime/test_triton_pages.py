@@ -12,7 +12,7 @@ import torch
 
 from kvfold_runtime import LayerDims, reference_attention
 from kvfold_runtime.bands import decode_heads, encode_heads
-from kvfold_runtime.pages import PLANES, PageLayout, aligned, page_layout
+from kvfold_runtime.pages import PLANES, PageLayout, aligned, chunk_of, page_layout
 from tests.conftest import rerun_in_triton_interpreter
 from tests.runtime.test_triton_bits import _bits, _layer
 
@@ -40,6 +40,9 @@ LAYERS = {
                       [_bits((4, 16), (2, 16)), _bits((5, 16), (3, 32)), _bits((8, 16), (6, 16), (4, 32), (2, 32))]),
     # one KV head, GQA group 8
     "one head": _aligned(8, [_bits((8, 32), (4, 32))], [_bits((3, 16))]),
+    # bands on 8-dim chunks (a head_dim-64 allocation), every width at 8 dims: 1- and 2-bit planes shared by tokens
+    "eighths": _aligned(2, [_bits((16, 8), (8, 8), (6, 8), (5, 8), (4, 16), (3, 8), (2, 8)), _bits((5, 24), (3, 8))],
+                        [_bits((4, 8), (2, 8)), _bits((6, 16), (3, 24), (2, 8))]),
 }
 
 
@@ -59,7 +62,8 @@ def _rows(dims: LayerDims, k, v) -> torch.Tensor:
 
 def test_aligned_layers_only():
     assert all(aligned(d) for d in LAYERS.values())
-    odd = _aligned(1, [_bits((4, 8), (2, 8))], [_bits((4, 16))])  # a band of 8 dims
+    assert [chunk_of(d) for d in LAYERS.values()] == [16, 16, 8]
+    odd = _aligned(1, [_bits((4, 12), (2, 4))], [_bits((4, 16))])  # bands of 12 and 4 dims
     assert not aligned(odd)
     with pytest.raises(ValueError, match="aligned allocation"):
         PageLayout(odd, 16)
@@ -67,10 +71,10 @@ def test_aligned_layers_only():
         PageLayout(LAYERS["mixed"], 24)
 
 
-@pytest.mark.parametrize("page", [16, 32])
-def test_a_page_is_its_rows_rearranged(page):
+@pytest.mark.parametrize(("layer", "page"), [("mixed", 16), ("mixed", 32), ("eighths", 16), ("eighths", 32)])
+def test_a_page_is_its_rows_rearranged(layer, page):
     """to_page / to_rows invert each other; writing rows slot by slot in any order gives the same pages."""
-    dims = LAYERS["mixed"]
+    dims = LAYERS[layer]
     layout = page_layout(dims, page)
     g = torch.Generator().manual_seed(page)
     rows = _rows(dims, *_kv(dims, 2 * page, g))
@@ -85,11 +89,13 @@ def test_a_page_is_its_rows_rearranged(page):
     assert (cache[[0, 2]] == 255).all()
 
 
-def test_every_field_is_where_the_layout_says():
-    """Read each chunk's codes back from a page as the kernel does (pairs of dims in the lanes of 32-bit words; a
-    1-bit plane's word shared by two tokens) and compare with the row's codes."""
-    dims, page = LAYERS["mixed"], 16
+@pytest.mark.parametrize("layer", ["mixed", "eighths"])
+def test_every_field_is_where_the_layout_says(layer):
+    """Read each chunk's codes back from a page as the kernel does (pairs of dims in the lanes of 32-bit words;
+    a word shared by two or four tokens where a token's entry is smaller) and compare with the row's codes."""
+    dims, page = LAYERS[layer], 16
     layout = page_layout(dims, page)
+    n = layout.chunk
     g = torch.Generator().manual_seed(0)
     rows = _rows(dims, *_kv(dims, page, g))
     flat = layout.to_page(rows[None])[0]
@@ -99,17 +105,17 @@ def test_every_field_is_where_the_layout_says():
         row_at = side * dims.row_bytes()[0]
         for h, head in enumerate(bands):
             codes = _row_codes(rows[:, row_at:], head)  # [P, d] int
-            for c in range(widths[h] // 16):
+            for c in range(widths[h] // n):
                 width, region = int(table[side, h, 0, c]), int(table[side, h, 1, c])
-                got = torch.zeros(page, 16, dtype=torch.long)
+                got = torch.zeros(page, n, dtype=torch.long)
                 low = 0
                 for p in PLANES[width]:
-                    got |= _plane_fields(flat, region, p, tok) << low
-                    region += page * 2 * p
+                    got |= _plane_fields(flat, region, p, tok, n) << low
+                    region += page * n * p // 8
                     low += p
                 if width == 16:
                     got = got & 0xFFFF
-                assert torch.equal(got, codes[:, 16 * c:16 * c + 16]), (side, h, c, width)
+                assert torch.equal(got, codes[:, n * c:n * c + n]), (side, h, c, width)
             row_at += sum(b.code_bytes + b.scale_bytes for b in head)
 
 
@@ -124,19 +130,23 @@ def _row_codes(rows: torch.Tensor, head) -> torch.Tensor:
     return torch.cat(out, -1)
 
 
-def _plane_fields(flat: torch.Tensor, region: int, p: int, tok: torch.Tensor) -> torch.Tensor:
-    """[P, 16] the p-bit fields of a plane: dim 2k + h is lane h of a 32-bit word (module docs of pages)."""
-    words = flat[region:region + len(tok) * 2 * p].view(torch.int32).long() & 0xFFFFFFFF
-    out = torch.zeros(len(tok), 16, dtype=torch.long)
-    for k in range(8):
+def _plane_fields(flat: torch.Tensor, region: int, p: int, tok: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, n] the p-bit fields of a plane of n-dim chunks: dim 2k + h is lane h of a 32-bit word; a token's lane holds
+    L = n/2·p bits, and where L < 16, 16/L tokens share a word (module docs of pages)."""
+    words = flat[region:region + len(tok) * n * p // 8].view(torch.int32).long() & 0xFFFFFFFF
+    lane = n // 2 * p
+    out = torch.zeros(len(tok), n, dtype=torch.long)
+    for k in range(n // 2):
         for h in range(2):
-            if p == 1:
-                word = words[tok // 2]
-                out[:, 2 * k + h] = (word >> (16 * h + 8 * (tok % 2) + k)) & 1
+            if lane == 4:  # four tokens a word: token t's byte t, lane 0 in its low nibble
+                at = 8 * (tok % 4) + 4 * h + k * p
+            elif lane == 8:  # two tokens a word: token t's lane-h byte at byte 2h + t mod 2
+                at = 16 * h + 8 * (tok % 2) + k * p
             else:
                 per_lane = 16 // p
-                word = words.view(len(tok), p // 2)[:, k // per_lane]
-                out[:, 2 * k + h] = (word >> (16 * h + p * (k % per_lane))) & ((1 << p) - 1)
+                at = 16 * h + p * (k % per_lane) + 32 * (k // per_lane)
+            word = words[tok * lane // 16 + at // 32] if lane >= 16 else words[tok // (16 // lane)]
+            out[:, 2 * k + h] = (word >> (at % 32)) & ((1 << p) - 1)
     return out
 
 
@@ -205,7 +215,10 @@ TOLERANCE = {F32: (1e-5, 1e-5), F16: (2e-3, 3 * 2.0 ** -11), BF16: (2e-3, 3 * 2.
     ("one head", [100, 1, 37, 64], [1] * 4, None, 2, F16, 32),
     ("mixed", [40, 30, 45], [1, 30, 20], 10, None, BF16, 32),  # a decode, a prefill, a chunked prefill
     ("mixed", [40, 30, 45], [1, 30, 20], None, None, F16, 16),
-    ("one head", [40, 30, 45], [1, 30, 20], 30, None, F32, 16)])
+    ("one head", [40, 30, 45], [1, 30, 20], 30, None, F32, 16),
+    ("eighths", [100, 1, 37, 64], [1] * 4, None, 3, BF16, 16),  # 8-dim chunks
+    ("eighths", [40, 30, 45], [1, 30, 20], 10, None, F16, 32),
+    ("eighths", [40, 30, 45], [1, 30, 20], None, None, F32, 16)])
 def test_paged_matches_the_reference(layer, seq_lens, q_lens, window, splits, dtype, page):
     from kvfold_runtime.kernels.triton_pages import paged_pages_attention
 

@@ -44,7 +44,7 @@ from kvfold_runtime.kernels.triton_common import (
     unit_columns,
 )
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
-from kvfold_runtime.pages import CHUNK, page_layout
+from kvfold_runtime.pages import page_layout
 
 __all__ = ["paged_pages_attention"]
 
@@ -59,33 +59,30 @@ MAX_REGISTERS = 128
 MIN_ROWS = 8
 
 
-def _block_n(chunks: int) -> int:
-    return 128 if chunks * CHUNK <= 64 else 64
+def _block_n(head_dim: int) -> int:
+    return 128 if head_dim <= 64 else 64
 
 
 @triton.jit
-def _words(rows, at, tok, valid, P: tl.constexpr):
-    """A p-bit plane's words for BLOCK_N tokens: [BLOCK_N, p/2] int32 (p = 2, 4, 8), or for p = 1 the word [BLOCK_N]
-    each token shares with its neighbour. rows [BLOCK_N]: each token's page (a uint8 pointer); at: the plane's offset
-    in the page (int32), tok: the token's place in its page."""
-    if P == 1:
-        return tl.load((rows + (at + tok // 2 * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid, other=0)
+def _words(rows, at, tok, valid, P: tl.constexpr, CH: tl.constexpr):
+    """A p-bit plane's words for BLOCK_N tokens of CH-dim chunks: [BLOCK_N, W] int32, the token's W = CH·p/32 words,
+    or where tokens share a word (CH·p/8 < 4 bytes: pages.lane_bits < 16) [BLOCK_N, 1] their word shifted so that
+    the token's fields lie at bits p·k of each lane (bits above them belong to other tokens: callers mask). rows
+    [BLOCK_N]: each token's page (a uint8 pointer); at: the plane's offset in the page (int32), tok: the token's
+    place in its page."""
+    E: tl.constexpr = CH * P // 8  # a token's bytes in the plane
+    if E < 4:
+        SHARE: tl.constexpr = 4 // E
+        word = tl.load((rows + (at + tok // SHARE * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid,
+                       other=0)
+        x = word >> ((tok % SHARE) * 8)
+        if E == 1:  # one byte a token: lane 0's bits in its low nibble, lane 1's in its high one
+            x = (x & 0xF) | ((x & 0xF0) << 12)
+        return x[:, None]
     else:
-        W: tl.constexpr = P // 2
-        words = (rows + (at + tok * (2 * P))).to(tl.pointer_type(tl.int32), bitcast=True)
+        W: tl.constexpr = E // 4
+        words = (rows + (at + tok * E)).to(tl.pointer_type(tl.int32), bitcast=True)
         return tl.load(words[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
-
-
-@triton.jit
-def _high(hi_words, tok, f: tl.constexpr, W: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
-    """Field f's pairs of the second plane (p₂ = 1 or 2 bits), shifted above the first plane's p₁ bits: [BLOCK_N, W]
-    int32, one for each of the first plane's words w (pair k = w·16/p₁ + f)."""
-    k = (tl.arange(0, W) * (16 // P1))[None, :] + f
-    if P2 == 1:  # bits 16h + 8·(token parity) + k of the word two tokens share
-        bits = (hi_words[:, None] >> (k + ((tok % 2) * 8)[:, None])) & 0x00010001
-    else:  # bits 16h + 2k of the token's word
-        bits = (hi_words >> (2 * k)) & 0x00030003
-    return bits << P1
 
 
 @triton.jit
@@ -111,76 +108,65 @@ def _lanes(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def _pair2(words, hi_words, tok, f: tl.constexpr, P2: tl.constexpr):
-    """Field f of a 2-bit plane's word (pair k = f), with the 1-bit plane's bit above it when P2 = 1."""
-    v = (words >> (2 * f)) & 0x00030003
-    if P2 == 1:
-        v = v | (((hi_words[:, None] >> ((tok % 2) * 8 + f)[:, None]) & 0x00010001) << 2)
-    return v
+def _field(words, hi_words, s, f: tl.constexpr, F: tl.constexpr, HALF: tl.constexpr, WIDTH: tl.constexpr,
+           P1: tl.constexpr, P2: tl.constexpr, OUT: tl.constexpr):
+    """Field f of every first-plane word (pair k = w·F + f, dims 2k and 2k + 1), with its second-plane bits (p₂ = 1
+    or 2, at bit p₂·k of the token's one word) above the first plane's p₁: (lane 0, lane 1) values [BLOCK_N, W]."""
+    v = (words >> (P1 * f)) & (((1 << P1) - 1) * 0x00010001)
+    if P2 > 0:
+        W: tl.constexpr = words.shape[1]
+        k = tl.arange(0, W)[None, :] * F + f
+        v = v | (((hi_words >> (P2 * k)) & (((1 << P2) - 1) * 0x00010001)) << P1)
+    return _lanes(v, s, HALF, WIDTH, OUT)
 
 
 @triton.jit
-def _fields(words, hi_words, tok, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-            OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_N, 16] values of a chunk from its first plane's words (and its second plane's, P2 > 0): field f of
-    word w is pair k = w·16/p₁ + f, dims 2k and 2k + 1; the joins lay them out in dim order."""
-    W: tl.constexpr = P1 // 2
-    MASK: tl.constexpr = ((1 << P1) - 1) * 0x00010001
-    if P1 == 8:
-        v0 = words & MASK
-        v1 = (words >> 8) & MASK
-        if P2 > 0:
-            v0 = v0 | _high(hi_words, tok, 0, W, P1, P2)
-            v1 = v1 | _high(hi_words, tok, 1, W, P1, P2)
-        a0, b0 = _lanes(v0, s, HALF, WIDTH, OUT)
-        a1, b1 = _lanes(v1, s, HALF, WIDTH, OUT)
+def _fields(words, hi_words, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+            CH: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, CH] values of a chunk from its first plane's words [BLOCK_N, W] (and its second plane's, P2 > 0):
+    F = CH/2W fields a lane; the joins lay pair w·F + f's two dims out in dim order."""
+    F: tl.constexpr = CH // 2 // words.shape[1]
+    if F == 2:
+        a0, b0 = _field(words, hi_words, s, 0, F, HALF, WIDTH, P1, P2, OUT)
+        a1, b1 = _field(words, hi_words, s, 1, F, HALF, WIDTH, P1, P2, OUT)
         x = tl.join(tl.join(a0, a1), tl.join(b0, b1))
-    elif P1 == 4:
-        v0 = words & MASK
-        v1 = (words >> 4) & MASK
-        v2 = (words >> 8) & MASK
-        v3 = (words >> 12) & MASK
-        if P2 > 0:
-            v0 = v0 | _high(hi_words, tok, 0, W, P1, P2)
-            v1 = v1 | _high(hi_words, tok, 1, W, P1, P2)
-            v2 = v2 | _high(hi_words, tok, 2, W, P1, P2)
-            v3 = v3 | _high(hi_words, tok, 3, W, P1, P2)
-        a0, b0 = _lanes(v0, s, HALF, WIDTH, OUT)
-        a1, b1 = _lanes(v1, s, HALF, WIDTH, OUT)
-        a2, b2 = _lanes(v2, s, HALF, WIDTH, OUT)
-        a3, b3 = _lanes(v3, s, HALF, WIDTH, OUT)
+    elif F == 4:
+        a0, b0 = _field(words, hi_words, s, 0, F, HALF, WIDTH, P1, P2, OUT)
+        a1, b1 = _field(words, hi_words, s, 1, F, HALF, WIDTH, P1, P2, OUT)
+        a2, b2 = _field(words, hi_words, s, 2, F, HALF, WIDTH, P1, P2, OUT)
+        a3, b3 = _field(words, hi_words, s, 3, F, HALF, WIDTH, P1, P2, OUT)
         x = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
     else:
-        tl.static_assert(P1 == 2)
-        a0, b0 = _lanes(_pair2(words, hi_words, tok, 0, P2), s, HALF, WIDTH, OUT)
-        a1, b1 = _lanes(_pair2(words, hi_words, tok, 1, P2), s, HALF, WIDTH, OUT)
-        a2, b2 = _lanes(_pair2(words, hi_words, tok, 2, P2), s, HALF, WIDTH, OUT)
-        a3, b3 = _lanes(_pair2(words, hi_words, tok, 3, P2), s, HALF, WIDTH, OUT)
-        a4, b4 = _lanes(_pair2(words, hi_words, tok, 4, P2), s, HALF, WIDTH, OUT)
-        a5, b5 = _lanes(_pair2(words, hi_words, tok, 5, P2), s, HALF, WIDTH, OUT)
-        a6, b6 = _lanes(_pair2(words, hi_words, tok, 6, P2), s, HALF, WIDTH, OUT)
-        a7, b7 = _lanes(_pair2(words, hi_words, tok, 7, P2), s, HALF, WIDTH, OUT)
+        tl.static_assert(F == 8)
+        a0, b0 = _field(words, hi_words, s, 0, F, HALF, WIDTH, P1, P2, OUT)
+        a1, b1 = _field(words, hi_words, s, 1, F, HALF, WIDTH, P1, P2, OUT)
+        a2, b2 = _field(words, hi_words, s, 2, F, HALF, WIDTH, P1, P2, OUT)
+        a3, b3 = _field(words, hi_words, s, 3, F, HALF, WIDTH, P1, P2, OUT)
+        a4, b4 = _field(words, hi_words, s, 4, F, HALF, WIDTH, P1, P2, OUT)
+        a5, b5 = _field(words, hi_words, s, 5, F, HALF, WIDTH, P1, P2, OUT)
+        a6, b6 = _field(words, hi_words, s, 6, F, HALF, WIDTH, P1, P2, OUT)
+        a7, b7 = _field(words, hi_words, s, 7, F, HALF, WIDTH, P1, P2, OUT)
         a = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
         b = tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7)))
         x = tl.join(a, b)
-    return tl.reshape(x, [BLOCK_N, 16])
+    return tl.reshape(x, [BLOCK_N, CH])
 
 
 @triton.jit
 def _chunk(rows, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BAND: tl.constexpr, NC: tl.constexpr,
-           PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_N, 16] values of chunk C in the query dtype OUT for BLOCK_N tokens (WIDTH bits, in the head's scaled
-    band BAND; WIDTH 0: the head has no such chunk, zeros); rows [BLOCK_N]: each token's page (a uint8 pointer); tok:
-    its place in the page; words_ptr: the head's row of the layout's table."""
+           CH: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, CH] values of chunk C (CH dims) in the query dtype OUT for BLOCK_N tokens (WIDTH bits, in the head's
+    scaled band BAND; WIDTH 0: the head has no such chunk, zeros); rows [BLOCK_N]: each token's page (a uint8
+    pointer); tok: its place in the page; words_ptr: the head's row of the layout's table."""
     if WIDTH == 0:
-        return tl.zeros([BLOCK_N, 16], OUT)
+        return tl.zeros([BLOCK_N, CH], OUT)
     else:
         region = tl.load(words_ptr + NC + C)  # the chunk's first plane in the page (a multiple of 16)
-        if WIDTH >= 8:  # 16- and 32-byte entries: let their loads be wide (4-bit ones do best as single words)
+        if WIDTH * CH >= 128:  # 16- and 32-byte entries: let their loads be wide (4-byte ones do best as words)
             region = tl.multiple_of(region, 16)
         if WIDTH == 16:  # float16 values, dim 2w + h in lane h of word w: the natural order
-            at = (rows + (region + tok * 32)).to(tl.pointer_type(tl.float16), bitcast=True)
-            return tl.load(at[:, None] + tl.arange(0, 16)[None, :], mask=valid[:, None], other=0.0).to(OUT)
+            at = (rows + (region + tok * (2 * CH))).to(tl.pointer_type(tl.float16), bitcast=True)
+            return tl.load(at[:, None] + tl.arange(0, CH)[None, :], mask=valid[:, None], other=0.0).to(OUT)
         else:
             # the band's log8 scale byte, read in the word of four tokens' bytes it sits in (the chunks of one band
             # read the same word: one load and one exp2 a band)
@@ -192,41 +178,43 @@ def _chunk(rows, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BA
             HALF: tl.constexpr = (1 << (WIDTH - 1)) - 0.5
             P1: tl.constexpr = 8 if WIDTH == 8 else (4 if WIDTH >= 4 else 2)  # pages.PLANES
             P2: tl.constexpr = WIDTH - P1
-            words = _words(rows, region, tok, valid, P1)
+            words = _words(rows, region, tok, valid, P1, CH)
             hi_words = words
             if P2 > 0:
-                hi_words = _words(rows, region + PAGE * 2 * P1, tok, valid, P2)
-            return _fields(words, hi_words, tok, s, HALF, WIDTH, P1, P2, OUT, BLOCK_N)
+                hi_words = _words(rows, region + PAGE * CH * P1 // 8, tok, valid, P2, CH)
+            return _fields(words, hi_words, s, HALF, WIDTH, P1, P2, CH, OUT, BLOCK_N)
 
 
 @triton.jit
 def _tile(rows, tok, valid, words_ptr, WIDTHS: tl.constexpr, BANDS: tl.constexpr, FIRST: tl.constexpr,
-          COUNT: tl.constexpr, NC: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+          COUNT: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr,
+          BLOCK_N: tl.constexpr):
     """Chunks FIRST … FIRST + COUNT − 1 joined: [BLOCK_N, 16·COUNT], column COUNT·i + rev(c − FIRST) = dim i of
     chunk c (the module docstring)."""
     if COUNT == 1:
-        return _chunk(rows, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, PAGE, OUT, BLOCK_N)
+        return _chunk(rows, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, CH, PAGE, OUT, BLOCK_N)
     else:
-        a = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, PAGE, OUT, BLOCK_N)
-        b = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, PAGE, OUT, BLOCK_N)
-        return tl.reshape(tl.join(a, b), [BLOCK_N, 16 * COUNT])
+        a = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, CH, PAGE, OUT, BLOCK_N)
+        b = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, CH, PAGE, OUT,
+                  BLOCK_N)
+        return tl.reshape(tl.join(a, b), [BLOCK_N, CH * COUNT])
 
 
 @triton.jit
-def _dims_of(cols, NC: tl.constexpr, LOG_NC: tl.constexpr):
+def _dims_of(cols, NC: tl.constexpr, LOG_NC: tl.constexpr, CH: tl.constexpr):
     """The head dim each tile column holds (the join order of _tile)."""
     r = cols % NC
     c = r * 0
     for b in tl.static_range(LOG_NC):
         c = c | (((r >> b) & 1) << (LOG_NC - 1 - b))
-    return c * 16 + cols // NC
+    return c * CH + cols // NC
 
 
 @triton.jit
 def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r, stride_table, page_bytes,
           scale2, window, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, MASKED: tl.constexpr,
-          PAGE: tl.constexpr, NC: tl.constexpr, VALUES: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+          PAGE: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, VALUES: tl.constexpr, DTYPE: tl.constexpr,
+          BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """One key block [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated. MASKED: keys past `hi`,
     after a row's query or outside its window are hidden (a block every row sees whole needs no mask)."""
     pos = start + tl.arange(0, BLOCK_N)
@@ -234,7 +222,7 @@ def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, 
     page = tl.load(table_ptr + r.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
     rows = cache_ptr + page.to(tl.int64) * page_bytes  # each token's page
     tok = pos % PAGE
-    kt = _tile(rows, tok, valid, k_words, KW, KB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
+    kt = _tile(rows, tok, valid, k_words, KW, KB, 0, NC, NC, CH, PAGE, VALUES, BLOCK_N)
     # the keys as the dot's first operand (BLOCK_N rows): sm_90 builds use its warpgroup MMA
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
@@ -247,7 +235,7 @@ def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _tile(rows, tok, valid, v_words, VW, VB, 0, NC, NC, PAGE, VALUES, BLOCK_N)
+    v = _tile(rows, tok, valid, v_words, VW, VB, 0, NC, NC, CH, PAGE, VALUES, BLOCK_N)
     p = p.to(DTYPE)  # as the reference: weights in the value dtype, float32 sums
     if UPCAST:
         p = p.to(tl.float32)
@@ -259,11 +247,11 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
             page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len, end, off_k, dk,
             off_v, dv, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, GROUP: tl.constexpr,
             QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, NC: tl.constexpr, LOG_NC: tl.constexpr, DOT_PREC: tl.constexpr,
+            BLOCK_N: tl.constexpr, NC: tl.constexpr, LOG_NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
             UPCAST: tl.constexpr):
     """One program's attention for a head whose chunks have the widths KW (keys) and VW (values) and lie in the
     scaled bands KB / VB: every unpacking below is fixed at compile time."""
-    BLOCK_D: tl.constexpr = 16 * NC
+    BLOCK_D: tl.constexpr = CH * NC
     # the dtype values are made in: the query's (Triton's interpreter does bfloat16 arithmetic on raw bits: there,
     # float32, see triton_common.dot_options)
     VALUES: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
@@ -273,7 +261,7 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     live = (rows < QUERIES * GROUP) & (qi < q_len)
     qpos = end - q_len + qi
     tok_q = (q_start + qi).to(tl.int64)
-    dims = _dims_of(tl.arange(0, BLOCK_D), NC, LOG_NC)  # the head dim of each tile column
+    dims = _dims_of(tl.arange(0, BLOCK_D), NC, LOG_NC, CH)  # the head dim of each tile column
     q_at = q_ptr + tok_q[:, None] * stride_q + GROUP * off_k + j[:, None] * dk + dims[None, :]
     q = tl.load(q_at, mask=live[:, None] & (dims < dk)[None, :], other=0.0)  # [BLOCK_M, BLOCK_D], tile order
     if UPCAST:
@@ -296,17 +284,17 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     if QUERIES > 1 or window > 0:  # rows see different keys: every block masked
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, VALUES,
+                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
     else:  # one query token, no window: it sees every key but those past the split's end, in its last block
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N
         for start in range(lo, full, BLOCK_N):
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, False, PAGE, NC, VALUES,
+                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, False, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
         if full < hi:
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, full, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, VALUES,
+                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -326,7 +314,7 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
                   starts_ptr, table_ptr, stride_q, stride_o, page_bytes, stride_table, num_kv_heads, window, scaling,
                   KINDS: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr, PAGE: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr,
-                  LOG_NC: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  LOG_NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     mb, g, sp, r, q_start, q_len = program_task(starts_ptr, NUM_SPLITS)
     if mb * QUERIES >= q_len:  # the grid covers the longest request
         return
@@ -341,7 +329,7 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
             _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_words, table_ptr, stride_q,
                     stride_o, page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len,
                     end, off_k, dk, off_v, dv, KINDS[i][0], KINDS[i][1], KINDS[i][2], KINDS[i][3], GROUP, QUERIES,
-                    PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, LOG_NC, DOT_PREC, UPCAST)
+                    PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, LOG_NC, CH, DOT_PREC, UPCAST)
 
 
 def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -370,11 +358,11 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
     if out is None:
         out = query.new_empty(query.shape[0], dims.out_width)
     group, g_count, tokens = dims.group, dims.num_kv_heads, query.shape[0]
-    nc = layout.tile_chunks
+    nc, ch = layout.tile_chunks, layout.chunk
     queries = max(1, min(max_query_len, 64 // group)) if max_query_len > 1 else 1
     kinds = layout.kinds()[0]
     if num_splits > 1:
-        part_o = torch.empty(tokens, g_count * group, num_splits, nc * CHUNK, dtype=torch.float32, device=query.device)
+        part_o = torch.empty(tokens, g_count * group, num_splits, nc * ch, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(tokens, g_count * group, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_o = part_lse = out
@@ -384,11 +372,11 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
         layout.head_kinds(query.device), layout.table(query.device), seq_lens, query_start_loc, block_table,
         query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
         scaling, KINDS=kinds, GROUP=group, QUERIES=queries, PAGE=layout.page, NUM_SPLITS=num_splits,
-        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)), BLOCK_N=_block_n(nc), NC=nc,
+        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)), BLOCK_N=_block_n(nc * ch), NC=nc, CH=ch,
         LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS, **dot_options(_pages_kernel, query.dtype))
     if num_splits > 1:
         _combine_kernel[(tokens, g_count * group)](
             part_o, part_lse, out, head_table(dims.d_k, dims.d_v, query.device), out.stride(0), g_count, GROUP=group,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=nc * CHUNK)
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=nc * ch)
     return out
