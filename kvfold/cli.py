@@ -119,7 +119,8 @@ def export(
                                                + f" {_default('format')}.")] = None,
     band_align: Annotated[int | None, typer.Option(help="Bits format: every band starts and ends on a multiple of "
                                                    "this many dims, as the aligned GPU decode kernel reads them; 1: "
-                                                   f"anywhere (the older allocation) {_by_format('band_align')}.")
+                                                   "anywhere (the older allocation) "
+                                                   f"{_by_format('band_align_default')}.")
                           ] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"

@@ -47,12 +47,13 @@ def test_a_bits_sensitivity_export_records_per_head_rounding_scales_and_reuse_ke
     assert m.layer_scales() == scales and (m.chosen, m.k_bits, m.v_bits) == (prev.chosen, prev.k_bits, prev.v_bits)
 
 
-def test_a_bits_export_aligns_its_bands_to_16_dims_and_band_align_1_is_the_older_allocation(setup, tmp_path):
-    """Every band of a bits export starts and ends on a multiple of 16 dims (the tiny model's head_dim 16: one width
-    per head), recorded as its rank rounding; --band-align 1 plans bands anywhere, and neither reuses the other's
-    curve."""
+def test_a_bits_export_aligns_its_bands_and_band_align_1_is_the_older_allocation(setup, tmp_path):
+    """Every band of a bits export starts and ends on a multiple of 8 dims at the tiny model's head_dim 16 (head_dim
+    ≤ 64: formats/bits.band_align_for) or of --band-align's (16: one width per head), recorded as its rank rounding;
+    --band-align 1 plans bands anywhere, and neither reuses the other's curve."""
     bits = ("--accuracy", 0.5, "--format", "bits", "--passkey", 0)
-    for name, extra, align in (("aligned", (), 16), ("loose", ("--band-align", 1), 1)):
+    for name, extra, align in (("aligned", (), 8), ("sixteen", ("--band-align", 16), 16),
+                               ("loose", ("--band-align", 1), 1)):
         result = _export(setup, tmp_path / name, *bits, *extra)
         assert result.exit_code == 0, result.output
         m = Manifest.load(tmp_path / name)

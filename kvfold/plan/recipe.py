@@ -68,7 +68,8 @@ class Recipe(BaseModel):
     format: str = DEFAULT_FORMAT
     # Bits format: every band of a KV head starts and ends on a multiple of this many dims (plan/bits.dim_bits), as
     # the aligned GPU decode kernel reads the codes; 1: bands anywhere (the allocation before issue 50, for
-    # comparison). None: the format's (bits: 16, plan/formats/bits.ALIGN; the rank format has no bands and refuses it).
+    # comparison). None: the format's for the model's head_dim, set by plan/reuse.check_inputs (bits: 8 at head_dim
+    # ≤ 64, else 16, plan/formats/bits.band_align_for; the rank format has no bands and refuses it).
     band_align: int | None = Field(default=None, ge=1)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
@@ -98,7 +99,7 @@ class Recipe(BaseModel):
             name = data.get("format")
             fmt = FORMATS.get(name, FORMATS[DEFAULT_FORMAT]) if isinstance(name, str) else FORMATS[DEFAULT_FORMAT]
             defaults = {"v_scale": fmt.v_scale, "allocation": fmt.allocation,
-                        "sensitivity_tokens": fmt.sensitivity_tokens, "band_align": fmt.band_align}
+                        "sensitivity_tokens": fmt.sensitivity_tokens}
             data = {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
         return data
 

@@ -34,6 +34,7 @@ def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousE
     if kv_heads % recipe.tp:
         raise KVFoldError(f"--tp {recipe.tp}: the model's {kv_heads} KV heads do not split over {recipe.tp} "
                           f"tensor-parallel ranks; give a --tp that divides {kv_heads}")
+    recipe = get_format(recipe.format).resolve(recipe, stats.header.model.head_dim)  # e.g. the bits' band_align
     if recipe.band_align is not None:
         check_align(stats.header.model.head_dim, recipe.band_align)
     if previous is not None:

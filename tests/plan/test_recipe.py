@@ -59,11 +59,19 @@ def test_the_allocation_defaults_by_format_and_a_given_one_is_kept():
 
 
 def test_band_align_is_the_bits_formats_own_and_recorded_as_its_rank_rounding():
-    """Bits: bands on 16-dim chunks unless given (1: anywhere, the older allocation); the ranks follow from the
-    bits, so they are multiples of it (Recipe.rounding: the manifest's rounding_multiple). The rank format has
-    no bands and refuses the option, naming its own."""
+    """Bits: bands on chunks of 8 dims at head_dim ≤ 64 and 16 above unless given (1: anywhere, the older
+    allocation), filled in once the model is known (CacheFormat.resolve); the ranks follow from the bits, so they
+    are multiples of it (Recipe.rounding: the manifest's rounding_multiple). The rank format has no bands and
+    refuses the option, naming its own."""
+    from kvfold.plan.formats import get_format
+
     bits = Recipe(accuracy=0.99, format="bits")
-    assert (bits.band_align, bits.rounding) == (16, (16, 0))
+    assert bits.band_align is None
+    fmt = get_format("bits")
+    assert [(r.band_align, r.rounding) for r in (fmt.resolve(bits, 64), fmt.resolve(bits, 128))] == [(8, (8, 0)),
+                                                                                                     (16, (16, 0))]
+    assert fmt.resolve(bits.model_copy(update={"band_align": 32}), 64).band_align == 32
+    bits = fmt.resolve(bits, 128)
     assert load_recipe(None, {"accuracy": 0.99, "format": "bits", "band_align": 1}).rounding == (1, 0)
     assert Recipe(accuracy=0.99).band_align is None
     assert Recipe.model_validate(bits.model_dump()) == bits
@@ -84,4 +92,4 @@ def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():
     with pytest.raises(KVFoldError, match="--eval-tokens: Input should be a valid integer"):
         load_recipe(None, {"accuracy": 0.9, "eval_tokens": "many"})
     assert load_recipe(None, {"accuracy": 0.9, "eval_tokens": 512}) == Recipe(accuracy=0.9, eval_tokens=512)
-    assert Recipe(accuracy=0.9).rounding == (8, 8) and Recipe(accuracy=0.9, format="bits").rounding == (16, 0)
+    assert Recipe(accuracy=0.9).rounding == (8, 8) and Recipe(accuracy=0.9, format="bits", band_align=16).rounding == (16, 0)

@@ -21,12 +21,14 @@ from kvfold.measure.metrics import Metrics
 from kvfold.measure.passkey import Answers, passkey_answers, passkey_prompts, passkey_summary
 from kvfold.plan.bits import V_SCALE
 from kvfold.plan.formats import get_format
+from kvfold.plan.formats.bits import band_align_for
 from kvfold.plan.recipe import Recipe
 from kvfold.plan.rounding import HeadScales, measure_head_scales
 from kvfold.plan.sensitivity import LayerScales, measure_scales
 from kvfold.sources.models import ModelRef, load_model, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
+from kvfold_runtime import head_dim
 
 from .patches import ProjMap, mapped_projections, nudged
 
@@ -162,6 +164,7 @@ class Setup:
             probe = text_sequences(self.tokenizer, resolve_text(text), get_format("bits").sensitivity_tokens,
                                    self.seq_len, seed=0)
             evaluator = Evaluator(self.model, self.adapter, probe, replay=True)
-            return measure_head_scales(self.bases("aware", "text"), evaluator, V_SCALE)
+            return measure_head_scales(self.bases("aware", "text"), evaluator, V_SCALE,
+                                       band_align_for(head_dim(self.model.config)))  # export's alignment
 
         return self.once("head_scales", build)

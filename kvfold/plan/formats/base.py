@@ -43,7 +43,8 @@ class CacheFormat:
     summary: ClassVar[str]  # one line for --format's help
     frontier_method: ClassVar[str]  # its curve in `kvfold-bench frontier` (bench/kvfold_bench/frontier/methods)
     v_scale: ClassVar[float]  # Recipe.v_scale's default: r_v = v_scale · r_k along the searched family
-    band_align: ClassVar[int | None] = None  # Recipe.band_align's default; None: no bands, the option refused
+    # Recipe.band_align's default as --help says it (resolve() fills it in for the model); None: no bands, refused
+    band_align_default: ClassVar[str | None] = None
     allocation: ClassVar[str] = "eq6"  # Recipe.allocation's default
     sensitivity_tokens: ClassVar[int]  # Recipe.sensitivity_tokens' default
     sensitivity_of: ClassVar[str]  # what --allocation sensitivity measures, as the log says it ("each ... sensitivity")
@@ -54,6 +55,10 @@ class CacheFormat:
 
     def check(self, recipe: Recipe) -> None:
         """ValueError, its message saying the fix, for options this format refuses; none by default."""
+
+    def resolve(self, recipe: Recipe, head_dim: int) -> Recipe:
+        """The recipe with the defaults that depend on the model filled in; as given by default."""
+        return recipe
 
     def rounding(self, recipe: Recipe) -> tuple[int, int]:
         """(multiple, min_rank) the ranks are rounded with: the recipe's own by default."""

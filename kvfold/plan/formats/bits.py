@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvfold.plan.formats.base import CacheFormat
 
-__all__ = ["ALIGN", "V_SCALE", "BitsFormat"]
+__all__ = ["ALIGN", "ALIGN_SMALL", "V_SCALE", "BitsFormat", "band_align_for"]
 
 # θ_v = V_SCALE · θ_k by default (plan/bits.py): the proxy there underprices keys' rounding error (it passes through
 # the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096
@@ -20,15 +20,23 @@ __all__ = ["ALIGN", "V_SCALE", "BitsFormat"]
 # (plan/bits.py; 2026-11-25, 4,096 tokens of wiki:eval+pydoc:eval, 0.2775 of fp16's bytes, no layer multipliers):
 # V_SCALE 16 → KL 0.0222, 32 → 0.0191 (perplexity ratio 1.0099), 64 → 0.0205, 256 → 0.0318.
 V_SCALE = 32.0
-# Every band of a KV head starts and ends on a multiple of ALIGN dims (plan/bits.dim_bits' align; issue 50): the
-# widths are constant on each chunk [16c, 16c + 16), so the kept width is a multiple of 16 too, as an aligned GPU
-# decode kernel reads a head's codes (read from compiled sm_90 code, 2026-12-01: a per-dim address table and ~56
-# instructions per cached number with bands anywhere, 7–9 with aligned 4-bit bands). Its price in the water-filling's
-# own model (research/align_cost.py, random log-linear spectra, equal bits per number): +0.1–1.1 dB of modelled
-# distortion at head_dim 64 and −0.4–+0.45 dB (within the one-θ plans' discreteness) at 128, at 3–5 bits; not yet
-# measured on a model (kvfold-bench frontier: kvfold-bits against kvfold-bits-unaligned). `--band-align 1`: bands
-# anywhere, the allocation before.
+# Every band of a KV head starts and ends on a multiple of `band_align_for(head_dim)` dims (plan/bits.dim_bits' align;
+# issue 50): the widths are constant on each chunk of that many dims, so the kept width is a multiple of it too, as
+# the GPU page layout and its decode kernel read a head's codes (kvfold_runtime.pages; read from compiled sm_90 code,
+# 2026-12-01: a per-dim address table and ~56 instructions per cached number with bands anywhere, 6–9 aligned).
+# 16 dims (ALIGN) where head_dim > 64: wider loads, and at 128 the alignment costs −0.4 to +0.45 dB in the
+# water-filling's own model (research/align_cost.py). 8 dims (ALIGN_SMALL) at head_dim ≤ 64: there 16 cost SmolLM2
+# 1.22x the mean KL of bands anywhere at 0.281 of fp16's bytes (docs/frontier-align-smollm2.json) and 8-dim chunks
+# compile to the same instructions per number (8.9 against 8.7 for an 8/5/4 | 6/4 mix, kvfold-bench kernels --aot);
+# at head_dim 128 8-dim chunks spill (21.9), so 16 stays there. `--band-align 1`: bands anywhere, the allocation
+# before.
 ALIGN = 16
+ALIGN_SMALL = 8
+
+
+def band_align_for(head_dim: int) -> int:
+    """The bits format's band alignment for a model's head_dim (the comment above)."""
+    return ALIGN_SMALL if head_dim <= 64 else ALIGN
 
 
 class BitsFormat(CacheFormat):
@@ -37,7 +45,7 @@ class BitsFormat(CacheFormat):
     summary = "each kept dim stored at 2–16 bits; transformers and vLLM"
     frontier_method = "kvfold-bits"
     v_scale = V_SCALE
-    band_align = ALIGN
+    band_align_default = "8 at head_dim ≤ 64, else 16"  # resolve() sets it once the model is known
     # eq6: one θ for every head. sensitivity: KL −25% at equal bytes, but SmolLM2's 0.99 export with it (0.295 of
     # fp16's bytes, 2026-11-28) lost 1 of 10 pass keys in the runtime that its simulated check kept
     allocation = "eq6"
@@ -52,9 +60,15 @@ class BitsFormat(CacheFormat):
         if recipe.ratio is not None:
             raise ValueError("the bits format is searched for an accuracy: give --accuracy or --max-kl, not --ratio")
 
+    def resolve(self, recipe, head_dim):
+        if recipe.band_align is None:
+            return recipe.model_copy(update={"band_align": band_align_for(head_dim)})
+        return recipe
+
     def rounding(self, recipe):
         # the ranks follow from the bits (multiple and min_rank do not apply), so they are multiples of the bands'
         # alignment: recorded as the manifest's rounding_multiple, and a reused curve must share it
+        assert recipe.band_align is not None, "band_align depends on the model: resolve(recipe, head_dim) first"
         return recipe.band_align, 0
 
     @property

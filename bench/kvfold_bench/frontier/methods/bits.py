@@ -3,7 +3,8 @@ cache in the bit-band format (kvfold_runtime.bands: a one-byte per-token scale p
 
 The knob is the mean bits per stored number before scales; each is turned into the θ of the
 water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: the plan export makes by default
-(--allocation eq6), its bands aligned to 16-dim chunks as export's (BitRule.align, formats/bits.ALIGN). The variant
+(--allocation eq6), its bands aligned as export's (8-dim chunks at head_dim ≤ 64, else 16: formats/bits.band_align_for).
+The variant
 kvfold-bits-heads plans with the per-head multipliers of the bits format's sensitivity allocation (plan/rounding.py,
 measured once per model: setup.head_scales); kvfold-bits-unaligned with bands anywhere (align 1: export
 --band-align 1, the allocation before issue 50), to measure what the alignment costs. Bytes are the real per-token
@@ -18,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvfold.plan.bits import ALIGN, V_SCALE, BitRule, plan_bits, theta_for_mean_bits
+from kvfold.plan.bits import V_SCALE, BitRule, plan_bits, theta_for_mean_bits
+from kvfold.plan.formats.bits import band_align_for
 from kvfold.plan.targets import bit_patches
+from kvfold_runtime import head_dim
 
 from .base import Candidate
 
@@ -34,17 +37,19 @@ class KVFoldBits:
     origin: str | None = None
     grid: tuple[float, ...] = (6.0, 5.0, 4.5, 4.25, 4.0, 3.75, 3.5, 3.0)
     allocation: str = "eq6"  # one θ for every head (export's default), or "sensitivity": per-head θ
-    align: int = ALIGN  # bands start and end on multiples of this many dims (export's --band-align); 1: anywhere
+    align: int | None = None  # bands start and end on multiples of this many dims (--band-align; None: export's
+    # default for the model's head_dim); 1: anywhere
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
         widths = BitRule(1.0, 1.0).widths
         scales = setup.head_scales() if self.allocation == "sensitivity" else None
         heads = dict(head_k=scales.k, head_v=scales.v) if scales else {}
+        align = self.align or band_align_for(head_dim(setup.model.config))
         for bits in self.grid:
             # export's default K/V split
-            theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads, align=self.align)
-            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads, align=self.align))
+            theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads, align=align)
+            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads, align=align))
             yield Candidate(bits, 1.0 - plan.compression,
                             bit_patches(bases, plan, setup.dtype, coder=self.coder()))
 
