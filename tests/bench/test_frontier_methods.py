@@ -187,7 +187,8 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     # (eq6: no per-layer or per-head multipliers)
     bases = setup.bases("aware", "text")
 
-    def bytes_share(align: int = 8, **heads) -> float:  # export's alignment at the tiny model's head_dim 16  # the plan at 4 bits per number: its rows' bytes / fp16's
+    # the plan at 4 bits per number: its rows' bytes / fp16's (align: export's at the tiny model's head_dim 16)
+    def bytes_share(align: int = 8, **heads) -> float:
         theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths, V_SCALE, **heads, align=align)
         plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, **heads, align=align))
         rows = [row_bytes(bands_from_bits(h)) for side in (plan.k_bits, plan.v_bits) for layer in side for h in layer]

@@ -92,4 +92,5 @@ def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():
     with pytest.raises(KVFoldError, match="--eval-tokens: Input should be a valid integer"):
         load_recipe(None, {"accuracy": 0.9, "eval_tokens": "many"})
     assert load_recipe(None, {"accuracy": 0.9, "eval_tokens": 512}) == Recipe(accuracy=0.9, eval_tokens=512)
-    assert Recipe(accuracy=0.9).rounding == (8, 8) and Recipe(accuracy=0.9, format="bits", band_align=16).rounding == (16, 0)
+    assert Recipe(accuracy=0.9).rounding == (8, 8)
+    assert Recipe(accuracy=0.9, format="bits", band_align=16).rounding == (16, 0)
