@@ -1,4 +1,4 @@
-"""`kvfold-bench frontier|kernels|calibrate|export|compile|memory|serve|openai ...` (also `python -m kvfold_bench
+"""`kvfold-bench frontier|kernels|calibrate|export|compile|memory|serve|openai|ttft ...` (also `python -m kvfold_bench
 ...`): each prints or writes JSON measured in that run. A console script of its own, beside the product's
 `kvfold`: kvfold.cli never imports this package, and the compile benchmark runs `kvfold` as a child process.
 Every command, the hidden per-process ones too, runs inside user_errors: bad input is one `error:` line, exit 2."""
@@ -273,6 +273,36 @@ def openai(
         if not (export / MANIFEST).is_file():
             raise KVFoldError(f"{export} is not a kvfold export (no {MANIFEST}); run kvfold export first")
         print(json.dumps(ask_server(export, prompt, max_tokens), indent=2))
+
+
+@app.command()
+def ttft(
+    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, comma-separated.")] = "4096,8192",
+    requests: Annotated[int, typer.Option(help="Requests per length and server (median).")] = 20,
+    text: Annotated[str, typer.Option(help="The text the prompts are windows of.")] = "wiki:eval",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
+) -> None:
+    """Time to first token through vLLM's OpenAI server: the export and its original served at once, taking turns,
+    prompts of real text at each length (max_tokens=1); medians and the export's ratio; JSON."""
+    from kvfold.checkpoint.manifest import Manifest
+    from kvfold_bench.outputs import write_outputs
+    from kvfold_bench.ttft import ttft as bench_ttft
+    from kvfold_runtime import MANIFEST
+
+    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    with user_errors():
+        _at_least_1(("--requests", requests))
+        if not (export / MANIFEST).is_file():
+            raise KVFoldError(f"{export} is not a kvfold export (no {MANIFEST}); run kvfold export first")
+        try:
+            sizes = [int(x) for x in lengths.split(",")]
+        except ValueError:
+            raise KVFoldError(f"--lengths {lengths!r}: give token counts separated by commas, e.g. 4096,8192") from None
+        _at_least_1(*((f"--lengths {n}", n) for n in sizes))
+        report = bench_ttft(export, Path(Manifest.load(export).source.path), sizes, requests, text)
+        write_outputs(report, json_out, None, None)
+    print(json.dumps(report, indent=2))
 
 
 @app.command()

@@ -52,13 +52,14 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 20, max_model_len: int = 512,
-          dtype: str = "float32") -> Iterator[str]:
-    """Start the server on `model`; yield its base URL once /health answers; stop it."""
+          dtype: str | None = "float32") -> Iterator[str]:
+    """Start the server on `model` (`dtype` None: the server's default); yield its base URL once /health answers;
+    stop it."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
-           "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+           "--port", str(port), *(["--dtype", dtype] if dtype else []), "--enforce-eager", "--max-model-len",
+           str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -264,6 +264,27 @@ def test_openai_server_answers_completions_and_chat(smollm2_exports):
 
 
 @pytest.mark.slow
+def test_ttft_bench_times_both_servers_on_distinct_prompts(smollm2_exports, tmp_path):
+    """`kvfold-bench ttft`: the export and its original served at once, each request's prompt a different window
+    of real text at the asked length (vLLM counts exactly those tokens), a time per request and server, the ratio
+    of the medians; both servers stopped."""
+    from typer.testing import CliRunner
+
+    from kvfold_bench.cli import app
+
+    out = tmp_path / "ttft.json"
+    done = CliRunner().invoke(app, ["ttft", "--export", str(smollm2_exports["p10"]), "--lengths", "200,300",
+                                    "--requests", "2", "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    report = json.loads(out.read_text())
+    assert [p["prompt_tokens"] for p in report["points"]] == [200, 300]
+    for point in report["points"]:
+        assert all(len(s) == 2 and min(s) > 0 for s in point["seconds"].values())
+        assert point["ratio"] == pytest.approx(point["median_s"]["export"] / point["median_s"]["original"], rel=0.01)
+    assert report["original"].endswith("SmolLM2-135M-Instruct")
+
+
+@pytest.mark.slow
 def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
     """`kvfold-bench serve` on SmolLM2's p ≈ 0.1 export, capacity and probe only (`--workload none`: the
     workloads' figures are checked on a tiny model by tests/bench/test_serve.py, ~2 minutes less here): vLLM's own

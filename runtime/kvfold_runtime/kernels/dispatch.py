@@ -22,6 +22,7 @@ from kvfold_runtime.kernels.paged import (
     BandPages,
     BandRows,
     NumberRows,
+    PrefillAttention,
     RowCodec,
     StepPlan,
     decode_step_c,
@@ -115,12 +116,13 @@ def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_
           query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
           sliding_window: int | None = None, out: torch.Tensor | None = None, codec: RowCodec | None = None,
           max_query_len: int | None = None, max_seq_len: int | None = None,
-          plans: dict | None = None) -> torch.Tensor:
+          plans: dict | None = None, prefill: PrefillAttention | None = None) -> torch.Tensor:
     """vLLM's paged cache: paged_attention's contract. On the Triton path `seq_lens` and `query_start_loc`
     should live on the query's device and `max_query_len` / `max_seq_len` be given (vLLM knows them), so
     a step needs no host round trip; a batch of one-token requests takes the decode kernel. `plans`: a dict
     that lives as long as the step (vLLM's attention metadata keeps one), where the torch path keeps the
-    step's StepPlan per (block size, window) for the next layers."""
+    step's StepPlan per (block size, window) for the next layers; `prefill`: its prefills' attention over the
+    decoded rows (paged_attention's)."""
     if isinstance(codec, BandPages):
         if paged_kernels_for(query, codec) == "triton":
             from kvfold_runtime.kernels import triton_pages  # imported only where _triton() imported
@@ -137,7 +139,8 @@ def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_
                 return done
         plan = _plan(plans, block_table, seq_lens, query_start_loc, kv.shape[-2], sliding_window)
         return paged_attention(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group,
-                               scaling=scaling, sliding_window=sliding_window, out=out, codec=codec, plan=plan)
+                               scaling=scaling, sliding_window=sliding_window, out=out, codec=codec, plan=plan,
+                               prefill=prefill)
     dev = query.device
     seq_lens, query_start_loc = seq_lens.to(dev), query_start_loc.to(dev)
     if isinstance(codec, BandRows):  # codes read and dequantized in registers, never a dequantized copy

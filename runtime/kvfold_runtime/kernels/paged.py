@@ -174,6 +174,14 @@ def _gather(blocks: torch.Tensor, table_row: torch.Tensor, start: int, end: int)
     return rows[start - first * bs:end - first * bs]
 
 
+class PrefillAttention(Protocol):
+    """Causal attention of a request's last t positions: q [t, Σ group·d_k], its decoded k [S, Σd_k] and
+    v [S, Σd_v] -> [t, Σ group·d_v], or None where it does not run."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int], d_v: list[int],
+                 group: int, *, scaling: float) -> torch.Tensor | None: ...
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """How one engine step reads the paged cache, the same for every layer of one block size and window: built
@@ -258,12 +266,14 @@ def decode_layer_c(dims: LayerDims, kv: torch.Tensor, fp8: torch.dtype | None) -
 def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
                     sliding_window: int | None = None, out: torch.Tensor | None = None,
-                    codec: RowCodec | None = None, plan: StepPlan | None = None) -> torch.Tensor:
+                    codec: RowCodec | None = None, plan: StepPlan | None = None,
+                    prefill: PrefillAttention | None = None) -> torch.Tensor:
     """query [T, Σ_h d_k(g(h))] -> [T, Σ_h d_v(g(h))]: causal attention of each request's queries over its
     cached tokens (the paged layout above), at the original model's scaling. `sliding_window` W: a query at
     position i sees keys i − W + 1 … i (Mistral's and transformers' convention). `codec`: how the rows were
     written (write_paged; default: the numbers in the cache's dtype). `plan`: plan_step's for this batch, block
-    size and window (built here when not given)."""
+    size and window (built here when not given). `prefill`: a faster attention for a prefill's decoded keys and
+    values without a window (vLLM's CPU kernel: kvfold_runtime.vllm.cpu_prefill), SDPA where it gives None."""
     codec = codec or NumberRows(sum(d_k))
     blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])  # [num_blocks, block_size, C] (vLLM's has a 1 in between)
     if plan is None:
@@ -291,6 +301,8 @@ def paged_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Te
             kpos = torch.arange(begin, s, device=q.device)[None, :]
             mask = ((kpos <= qpos) & (qpos - kpos < sliding_window))[None, None]  # [1, 1, t, S']
         k, v = codec.decode(rows, q.dtype)
-        o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, group, scaling=scaling, mask=mask)
-        out[first:first + t] = o[0]
+        o = None if prefill is None or mask is not None else prefill(q, k, v, d_k, d_v, group, scaling=scaling)
+        if o is None:
+            o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, group, scaling=scaling, mask=mask)[0]
+        out[first:first + t] = o
     return out

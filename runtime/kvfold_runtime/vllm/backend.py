@@ -14,7 +14,8 @@ row is written and read back) are in kvfold_runtime.kernels.paged, the math is
 kvfold_runtime.kernels.dispatch.paged: on CUDA the Triton kernels (kernels/triton_decode.py,
 triton_prefill.py; triton_bits.py for bits caches), elsewhere and for fp8 caches the torch path
 kernels.paged_attention (any widths, d_k ≠ d_v, prefill, decode and chunked prefill, prefix caching, the
-model's original scaling, sliding windows), which decodes only the blocks it reads; what a step's batch reads
+model's original scaling, sliding windows), which decodes only the blocks it reads, a prefill's attention on a
+CPU by vLLM's own CPU kernel over the decoded rows (kvfold_runtime.vllm.cpu_prefill); what a step's batch reads
 (its StepPlan) is made by the step's first layer and kept in the step's metadata for the others. A step of
 decodes only, no sliding window, on a CPU reads vLLM's block table and lengths in C as they are (no plan: vLLM
 keeps one metadata per KV cache group, and a bits export's per-layer page sizes make many groups), and a bits
@@ -47,6 +48,7 @@ from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import row_codec, write_paged
 from kvfold_runtime.kernels.dispatch import kernels_for, paged
 from kvfold_runtime.kernels.paged import BandPages, decode_layer_c
+from kvfold_runtime.vllm.cpu_prefill import prefill_attention
 from kvfold_runtime.vllm.errors import refuse
 
 __all__ = ["BACKEND_NAME", "KVFoldAttentionBackend"]
@@ -141,7 +143,8 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         out = output[:n].view(n, -1)
         paged(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, self.d_k, self.d_v, self.dims.group,
               scaling=self.scale, sliding_window=self.sliding_window, out=out, codec=codec,
-              max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans)
+              max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
+              prefill=prefill_attention)
         return output
 
 
