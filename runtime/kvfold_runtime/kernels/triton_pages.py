@@ -101,10 +101,13 @@ def _lanes(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
         lo = m.to(tl.int16).to(OUT, bitcast=True) - BASE
         hi = (m >> 16).to(tl.int16).to(OUT, bitcast=True) - BASE
         return lo * sh + half, hi * sh + half
-    else:
-        lo = (v & 0xFFFF).to(tl.float32) * s - HALF * s
-        hi = (v >> 16).to(tl.float32) * s - HALF * s
-        return lo.to(OUT), hi.to(OUT)
+    else:  # the same trick in float32 (2^23 + q, then q exactly; no integer-to-float conversion, a slow one on
+        # GPUs), then q·s − HALF·s in one multiply-add: exact for a half-precision scale (HALF·s has ≤ 16 bits)
+        s32 = s.to(OUT).to(tl.float32)  # the scale in the query dtype, as the half-precision path rounds it
+        offset = -HALF * s32
+        lo = ((v & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi = ((v >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return (lo * s32 + offset).to(OUT), (hi * s32 + offset).to(OUT)
 
 
 @triton.jit
