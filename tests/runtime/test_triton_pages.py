@@ -240,8 +240,9 @@ def test_paged_matches_the_reference(layer, seq_lens, q_lens, window, splits, dt
 def test_vllms_path_writes_pages_and_reads_them_where_triton_runs(monkeypatch):
     """What vLLM's KVFOLD backend does with an aligned bits layer where the Triton kernels run (here
     KVFOLD_KERNELS=triton in the interpreter): row_codec gives the page codec for its block size, write_paged puts
-    each token at its slot in page order (padding slots skipped), dispatch.paged runs the page kernel; with the
-    torch path forced, the same cache is read as rows. Both give the reference."""
+    each token at its slot in page order (padding slots skipped), dispatch.paged runs the page kernel, or with the
+    batch split (StepSplit, as the builder makes it on CUDA) the page kernel for the decode and the prefill's pages
+    decoded once then SDPA; with the torch path forced, the same cache is read as rows. All give the reference."""
     from kvfold_runtime import row_codec, write_paged
     from kvfold_runtime.kernels import dispatch, triton_pages
     from kvfold_runtime.kernels.paged import BandPages, BandRows
@@ -267,13 +268,20 @@ def test_vllms_path_writes_pages_and_reads_them_where_triton_runs(monkeypatch):
     assert (kv[[0, 4, 7]] == 255).all()  # blocks no sequence holds
     calls = []
     real = triton_pages.paged_pages_attention
-    monkeypatch.setattr(triton_pages, "paged_pages_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(triton_pages, "paged_pages_attention",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     outs = []
     for mode in ("triton", "torch"):
         monkeypatch.setenv("KVFOLD_KERNELS", mode)
         outs.append(dispatch.paged(q, kv, table, lens, start, list(dims.d_k), list(dims.d_v), dims.group,
                                    scaling=SCALE, codec=codec, max_query_len=30))
-    assert calls == [1]
+    assert calls == [31]
+    # split as vLLM's builder splits it on CUDA: the decode by the page kernel, the prefill's pages decoded once
+    monkeypatch.setenv("KVFOLD_KERNELS", "triton")
+    split = dispatch.StepSplit(1, 1, ((1, 1, 30, 30),))
+    outs.append(dispatch.paged(q, kv, table, lens, start, list(dims.d_k), list(dims.d_v), dims.group, scaling=SCALE,
+                               codec=codec, max_query_len=30, split=split))
+    assert calls == [31, 1]
     for got in outs:
         for r, (rows, qr) in enumerate(seqs):
             want, weighted, _ = _reference(rows, qr, dims, None)

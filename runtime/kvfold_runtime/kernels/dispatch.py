@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +32,7 @@ from kvfold_runtime.kernels.paged import (
 )
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 
-__all__ = ["attention", "kernels_for", "paged", "paged_kernels_for"]
+__all__ = ["StepSplit", "attention", "kernels_for", "paged", "paged_kernels_for"]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,17 +117,24 @@ def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_
           query_start_loc: torch.Tensor, d_k: list[int], d_v: list[int], group: int, *, scaling: float,
           sliding_window: int | None = None, out: torch.Tensor | None = None, codec: RowCodec | None = None,
           max_query_len: int | None = None, max_seq_len: int | None = None,
-          plans: dict | None = None, prefill: PrefillAttention | None = None) -> torch.Tensor:
+          plans: dict | None = None, prefill: PrefillAttention | None = None,
+          split: StepSplit | None = None) -> torch.Tensor:
     """vLLM's paged cache: paged_attention's contract. On the Triton path `seq_lens` and `query_start_loc`
     should live on the query's device and `max_query_len` / `max_seq_len` be given (vLLM knows them), so
     a step needs no host round trip; a batch of one-token requests takes the decode kernel. `plans`: a dict
     that lives as long as the step (vLLM's attention metadata keeps one), where the torch path keeps the
     step's StepPlan per (block size, window) for the next layers; `prefill`: its prefills' attention over the
-    decoded rows (paged_attention's)."""
+    decoded rows (paged_attention's). `split`: the batch's decodes and prefills as vLLM ordered them (decodes
+    first), known on the host: over the GPU page layout the decodes then take the page kernel and each prefill
+    its pages decoded once and SDPA (flash attention on CUDA), dequantize-then-attend."""
     if isinstance(codec, BandPages):
         if paged_kernels_for(query, codec) == "triton":
             from kvfold_runtime.kernels import triton_pages  # imported only where _triton() imported
 
+            if split is not None and split.prefills:
+                return _pages_split(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group,
+                                    scaling=scaling, sliding_window=sliding_window, out=out, codec=codec,
+                                    max_seq_len=max_seq_len, split=split)
             return triton_pages.paged_pages_attention(
                 query, kv, block_table, seq_lens.to(query.device), query_start_loc.to(query.device), codec.dims,
                 scaling=scaling, sliding_window=sliding_window, out=out, max_query_len=max_query_len,
@@ -156,3 +164,41 @@ def paged(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_
     return prefill.paged_prefill_attention(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group,
                                            scaling=scaling, sliding_window=sliding_window,
                                            max_query_len=max_query_len, out=out)
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A step's batch as vLLM orders it when its builder reorders (decodes first): the first `decodes` requests
+    decode one token each (query rows [0, decode_tokens)), then per prefill or chunked prefill (request, first
+    query row, query rows, tokens in the cache after the step), host integers."""
+
+    decodes: int
+    decode_tokens: int
+    prefills: tuple[tuple[int, int, int, int], ...]
+
+
+def _pages_split(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, group, *, scaling, sliding_window,
+                 out, codec: BandPages, max_seq_len, split: StepSplit) -> torch.Tensor:
+    """dispatch.paged over the GPU page layout with the batch split (StepSplit): the decodes by the page kernel,
+    each prefill by its own pages turned back into rows and decoded once to the query's dtype, then SDPA
+    (paged_attention's prefill): a prefill is compute-bound, and flash attention on dense keys beats
+    re-dequantizing them for every block of queries. The dense rows are the prefill's own: its memory is bounded
+    by the prefill requests, not by the longest sequence in the batch."""
+    from kvfold_runtime.kernels import triton_pages
+
+    if out is None:
+        out = query.new_empty(query.shape[0], group * sum(d_v))
+    dev, n, t0 = query.device, split.decodes, split.decode_tokens
+    if n:
+        triton_pages.paged_pages_attention(
+            query[:t0], kv, block_table[:n], seq_lens[:n].to(dev), query_start_loc[:n + 1].to(dev), codec.dims,
+            scaling=scaling, sliding_window=sliding_window, out=out[:t0], max_query_len=1, max_seq_len=max_seq_len)
+    layout, pages = codec.layout, kv.reshape(kv.shape[0], -1)
+    rows_codec = BandRows(codec.dims)
+    for r, first, t, s in split.prefills:
+        blocks = -(-s // layout.page)
+        rows = layout.to_rows(pages.index_select(0, block_table[r, :blocks].long()))  # [blocks, P, C]
+        paged_attention(query[first:first + t], rows, torch.arange(blocks, device=dev)[None], torch.tensor([s]),
+                        torch.tensor([0, t]), d_k, d_v, group, scaling=scaling, sliding_window=sliding_window,
+                        out=out[first:first + t], codec=rows_codec)
+    return out

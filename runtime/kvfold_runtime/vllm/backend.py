@@ -42,11 +42,12 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import row_codec, write_paged
-from kvfold_runtime.kernels.dispatch import kernels_for, paged
+from kvfold_runtime.kernels.dispatch import StepSplit, kernels_for, paged
 from kvfold_runtime.kernels.paged import BandPages, decode_layer_c
 from kvfold_runtime.vllm.cpu_prefill import prefill_attention
 from kvfold_runtime.vllm.errors import refuse
@@ -69,11 +70,15 @@ class KVFoldMetadata:
     max_seq_len: int
     # the torch path's StepPlan per (block size, window), made by the step's first layer, read by the others
     plans: dict = field(default_factory=dict)
+    split: StepSplit | None = None  # on CUDA: the decodes and prefills (dispatch.paged), None elsewhere
 
 
 class KVFoldMetadataBuilder(AttentionMetadataBuilder[KVFoldMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # decodes first in every batch (vLLM reorders for builders that ask): on CUDA a step splits into the decode
+        # kernel's requests and the prefills' (dispatch.StepSplit) without a host round trip
+        self._init_reorder_batch_threshold(1)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVFoldMetadata:
@@ -82,7 +87,16 @@ class KVFoldMetadataBuilder(AttentionMetadataBuilder[KVFoldMetadata]):
         return KVFoldMetadata(num_actual_tokens=m.num_actual_tokens,
                               query_start_loc=m.query_start_loc[:n + 1], seq_lens=m.seq_lens[:n],
                               block_table=m.block_table_tensor[:n], slot_mapping=m.slot_mapping[:m.num_actual_tokens],
-                              max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+                              max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, split=self._split(m))
+
+    def _split(self, m: CommonAttentionMetadata) -> StepSplit | None:
+        """The step's decodes and prefills from vLLM's host copies (the prefills' lengths are exact there)."""
+        if torch.device(self.device).type != "cuda" or m.max_query_len <= 1 or m.seq_lens_cpu_upper_bound is None:
+            return None
+        decodes, _, decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        starts, lens = m.query_start_loc_cpu.tolist(), m.seq_lens_cpu_upper_bound.tolist()
+        prefills = tuple((r, starts[r], starts[r + 1] - starts[r], lens[r]) for r in range(decodes, m.num_reqs))
+        return StepSplit(decodes, decode_tokens, prefills)
 
 
 class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
@@ -144,7 +158,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         paged(q, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, self.d_k, self.d_v, self.dims.group,
               scaling=self.scale, sliding_window=self.sliding_window, out=out, codec=codec,
               max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
-              prefill=prefill_attention)
+              prefill=prefill_attention, split=meta.split)
         return output
 
 
