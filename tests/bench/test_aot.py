@@ -105,6 +105,17 @@ def test_bits_decode_budget(pages_decode):
     assert main["main_loop"]["narrowest_load_bytes"] >= 4
 
 
+def test_8_dim_chunks_cost_what_16_dim_ones_do_at_head_dim_64():
+    """The mixed layer (8/5/4 | 6/4 bits) at head_dim 64 on 8-dim chunks, the bits format's alignment there
+    (formats/bits.band_align_for): within 5% of the same widths on 16-dim chunks per cached number, within 128
+    registers and without spills (at head_dim 128 8-dim chunks spill: the alignment stays 16 there)."""
+    sixteen, eight = (aot.run_case(_case(f"kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits{on} (paged)"), 64)
+                      for on in ("", " on 8-dim chunks"))
+    assert eight["kernels"][0]["constexprs"]["CH"] == 8 and sixteen["kernels"][0]["constexprs"]["CH"] == 16
+    assert eight["thread_instructions_per_number"] <= 1.05 * sixteen["thread_instructions_per_number"]
+    assert eight["registers"] <= 128 and eight["kernels"][0]["spills"]["ldl_stl_instructions"] == 0
+
+
 def test_cli_takes_only_sm_90():
     from typer.testing import CliRunner
 
