@@ -280,7 +280,7 @@ def ttft(
     export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
     lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, comma-separated.")] = "4096,8192",
     requests: Annotated[int, typer.Option(help="Requests per length and server (median).")] = 20,
-    text: Annotated[str, typer.Option(help="The text the prompts are windows of.")] = "wiki:eval",
+    text: Annotated[str, typer.Option(help="The text the prompts are windows of.")] = "wiki:eval+pysrc:eval",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
 ) -> None:
     """Time to first token through vLLM's OpenAI server: the export and its original served at once, taking turns,

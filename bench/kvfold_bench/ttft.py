@@ -17,6 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
+from kvfold.errors import KVFoldError
 from kvfold_bench.openai_server import ask, serve
 
 __all__ = ["ttft"]
@@ -33,11 +34,12 @@ def _prompts(tokenizer_path: Path, text: str, length: int, count: int, seed: int
     seqs = text_sequences(load_tokenizer(tokenizer_path), resolve_text(text), length * count, length, seed=seed)
     windows = [ids.tolist() for ids in seqs.ids if len(ids) == length][:count]
     if len(windows) < count:
-        raise ValueError(f"{text} holds {len(windows)} windows of {length} tokens, not {count}")
+        raise KVFoldError(f"--text {text} holds {len(windows)} windows of {length} tokens, not {count}: give a longer "
+                          "text (A+B mixes several) or fewer --requests")
     return windows
 
 
-def ttft(export: Path, original: Path, lengths: list[int], requests: int, text: str = "wiki:eval",
+def ttft(export: Path, original: Path, lengths: list[int], requests: int, text: str = "wiki:eval+pysrc:eval",
          kv_cache_mib: int = 1024) -> dict:
     """Per prompt length: each server's seconds per request, their medians and the export's ratio to the
     original's."""
