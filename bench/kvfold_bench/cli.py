@@ -278,7 +278,8 @@ def openai(
 @app.command()
 def ttft(
     export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
-    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, comma-separated.")] = "4096,8192",
+    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, comma-separated (each plus the one "
+                                         "answer token within the model's context).")] = "4096,8191",
     requests: Annotated[int, typer.Option(help="Requests per length and server (median).")] = 20,
     text: Annotated[str, typer.Option(help="The text the prompts are windows of.")] = "wiki:eval+pysrc:eval",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
