@@ -61,12 +61,14 @@ atexit.register(write_peak)
 runpy.run_module("kvfold", run_name="__main__", alter_sys=True)
 """
 
-# The stages' activations, measured apart (issue 52): one process loads the model as a stage does, then runs
-# one piece of each stage's work at its real size, each from a reset high-water mark (/proc/self/clear_refs "5"),
-# after reading every weight once (transformers maps the safetensors files: a weight's pages join the RSS at first use):
-# the peak above the RSS before it is that piece's working memory. calibrate: one batch of calibration
-# (calib.run.collect, 8 × 512 tokens); score: one batch of 4 × 512-token windows scored (the search's and verify's
-# batch); passkey: one pass-key prompt of the check's length (4,096 tokens). Arguments: MODEL DTYPE DEVICE OUT.
+# The stages' activations, measured apart (issue 52): a process loads the model as a stage does, reads every weight
+# once (transformers maps the safetensors files: a weight's pages join the RSS at first use), resets its high-water
+# mark (/proc/self/clear_refs "5") and runs one piece of one stage's work at its real size: the peak above the RSS
+# before it is that piece's working memory. Each piece runs in a fresh process: in a shared one, memory the
+# allocator kept from an earlier piece hid part of the next one's (the same score probe read 755 and 1,345 MiB).
+# calibrate: one batch of calibration (calib.run.collect, 8 × 512 tokens); score: one batch of 4 × 512-token
+# windows scored (the search's and verify's batch); passkey: one pass-key prompt of the check's length (4,096
+# tokens). Arguments: MODEL DTYPE DEVICE PROBE OUT.
 _PROBE = """\
 import json, sys
 import torch
@@ -79,7 +81,7 @@ from kvfold.sources.models import load_model, resolve_model
 from kvfold.sources.text import resolve_text
 from kvfold.sources.tokenizer import load_tokenizer
 
-model, dtype, device, out = sys.argv[1:5]
+model, dtype, device, probe, out = sys.argv[1:6]
 
 
 def status(key):
@@ -98,14 +100,11 @@ prompt = passkey_prompts(tokenizer, passkey_length(net, 4096))[:1]
 probes = {"calibrate": lambda: collect(net, ref.adapter, seqs, 8),
           "score": lambda: score_model(net, windows.head(4), 4),
           "passkey": lambda: passkey_answers(net, prompt)}
-result = {"loaded_rss_kib": status("VmRSS:")}
-for name, run in probes.items():
-    before = status("VmRSS:")
-    open("/proc/self/clear_refs", "w").write("5")
-    with torch.inference_mode():
-        run()
-    result[name + "_kib"] = status("VmHWM:") - before
-json.dump(result, open(out, "w"))
+before = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")
+with torch.inference_mode():
+    probes[probe]()
+json.dump({"loaded_rss_kib": before, "probe_kib": status("VmHWM:") - before}, open(out, "w"))
 """
 
 _LLAMA_TOKENS = dict(bos_token_id=1, eos_token_id=2)  # SmolLM2's tokenizer's ids
@@ -241,7 +240,7 @@ def _model(shape: str, folder: Path, dtype: str, device: str) -> str:
 _SLACK = 1.3
 _STAGE_PROBES = {"calibrate": ("calibrate",), "export": ("score", "passkey"), "verify": ("score", "passkey")}
 _BOUND_NOTE = (f"peak RSS of a stage <= {_SLACK} x the model's weight files + the stage's activations (the larger of "
-               "its probes in activations_mib, each measured apart on the model loaded alone)")
+               "its probes in activations_mib, each measured in a fresh process on the model loaded alone)")
 
 
 def _model_bytes(model: str) -> int:
@@ -252,13 +251,19 @@ def _model_bytes(model: str) -> int:
 
 
 def _activations(model: str, dtype: str, device: str, root: Path) -> dict:
-    """_PROBE in a process of its own: MiB of RSS after loading, and each probe's working memory."""
-    out = root / "probe.json"
-    done = subprocess.run([sys.executable, "-c", _PROBE, model, dtype, device, str(out)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise KVFoldError(f"bench compile: the activation probe failed: {done.stderr.strip().splitlines()[-1:]}")
-    return {k.removesuffix("_kib") + "_mib": round(v / 1024, 1) for k, v in json.loads(out.read_text()).items()}
+    """_PROBE, each piece in a process of its own: MiB of RSS after loading, and each piece's working memory."""
+    result = {}
+    for probe in ("calibrate", "score", "passkey"):
+        out = root / f"probe-{probe}.json"
+        done = subprocess.run([sys.executable, "-c", _PROBE, model, dtype, device, probe, str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KVFoldError(f"bench compile: the {probe} activation probe failed: "
+                              f"{done.stderr.strip().splitlines()[-1:]}")
+        read = json.loads(out.read_text())
+        result.setdefault("loaded_rss_mib", round(read["loaded_rss_kib"] / 1024, 1))
+        result[f"{probe}_mib"] = round(read["probe_kib"] / 1024, 1)
+    return result
 
 
 def _bound(results: list[dict], model_bytes: int, activations: dict) -> None:

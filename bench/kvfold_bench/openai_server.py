@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,7 +76,12 @@ def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 2
                     if r.status == 200:
                         break
             time.sleep(2)
-        yield base
+        try:
+            yield base
+        except urllib.error.HTTPError as e:  # the answer says little; the server's log says why
+            detail = e.read().decode(errors="replace")[:300]
+            raise KVFoldError(f"the vLLM server answered {e.code} ({detail}): "
+                              + root_cause(Path(log.name).read_text())) from e
     finally:
         _stop(proc)
         log.close()

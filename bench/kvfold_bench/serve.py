@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import statistics
 import tempfile
 from dataclasses import asdict
@@ -60,17 +59,6 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 SPEEDS = (("cache_limited", "generated_tokens_per_s"), ("long_context", "decode_tokens_per_s"))
 
 
-def _why(output: str) -> str:
-    """The root cause, or that vLLM's worker died when it died silently (a crash leaves only its engine's
-    "cancelled" behind). A worker that raised first and then exited still names its exception: the exit code
-    it dies with after reporting the error (0 or None) races the engine's shutdown."""
-    crash = re.search(r"Worker proc \S+ died unexpectedly \(exit code: (-?\d+)\)", output)
-    if crash is None or "kvfold: " in output or "Worker failed with error" in output:
-        return root_cause(output)
-    code = int(crash.group(1))
-    return f"vLLM's worker process died (exit code {code}{', a segmentation fault' if code == -11 else ''})"
-
-
 def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]] | None = None) -> dict:
     """One configuration in a process of its own; {"error": the root cause} when it failed."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,7 +75,7 @@ def _run(model: str, tokenizer_dir: Path, args: dict, reference: list[list[int]]
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(workers)  # ignored by vLLM's GPU builds
         done = run_module("kvfold_bench", cmd, env=env)
         if done.returncode != 0 or not out.exists():
-            return {"error": _why(done.stdout + done.stderr)}
+            return {"error": root_cause(done.stdout + done.stderr)}
         return json.loads(out.read_text())
 
 
@@ -236,7 +224,7 @@ def _run_paired(models: dict[str, tuple[str, str]], tokenizer_dir: Path, kv_cach
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         done = run_module("kvfold_bench", ["serve-paired", str(spec), str(out)], env=env)
         if done.returncode != 0 or not out.exists():
-            return {"error": _why(done.stdout + done.stderr)}
+            return {"error": root_cause(done.stdout + done.stderr)}
         return json.loads(out.read_text())
 
 

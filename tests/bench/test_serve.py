@@ -83,7 +83,7 @@ def test_probe_agreement_and_verdict():
 
 
 def test_an_engine_failure_is_named_by_its_root_cause():
-    from kvfold_bench.serve import _why
+    from kvfold_bench.engine_log import root_cause as _why
 
     crash = ("(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit "
              "code: -11), shutting down executor.\n(EngineCore pid=1) ERROR [core.py:1512] RuntimeError: cancelled\n")
@@ -98,6 +98,16 @@ def test_an_engine_failure_is_named_by_its_root_cause():
               "(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit "
               "code: 0), shutting down executor.\n")
     assert _why(raised) == "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU."
+    # seen in CI: vLLM's ulimit warning quotes an OSError; the cause is the worker's crash, in a native frame
+    ulimit = ("(APIServer pid=3) WARNING [system_utils.py:255] Found ulimit of 20000 and failed to automatically "
+              "increase with error current limit exceeds maximum limit. This can cause fd limit errors like "
+              "`OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n\n")
+    segv = ("!!!!!!! Segfault encountered !!!!!!!\n  File \"./signal/../sysdeps/unix/sysv/linux/x86_64/libc_sigaction.c"
+            "\", line 0, in 0x00007f944645a04f\n  File \"/tmp/vllm/csrc/cpu/cpu_types_x86.hpp\", line 151, in "
+            "vec_op::BF16Vec8::save(void*) const\n")
+    assert _why(ulimit + segv + crash) == ("vLLM's worker process died (exit code -11, a segmentation fault in "
+                                           "vec_op::BF16Vec8::save(void*) const (cpu_types_x86.hpp:151))")
+    assert _why(ulimit + refused) == "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU."
 
 
 def test_capacity_bytes_per_token_and_ratios():

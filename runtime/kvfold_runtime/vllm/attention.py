@@ -190,7 +190,10 @@ class KVFoldVllmAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+        # vLLM's CPU rotary kernel stores 8 bfloat16 at a time with aligned stores: rows of q and k inside a qkv
+        # row whose width is not a multiple of 8 (kvfold's value widths are free) crash it, so RoPE gets its own
+        # contiguous rows (a copy of T × (q + k) numbers, small beside the projections)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         if self.key_shift:
             k = k - getattr(self, K_SHIFT)
         q = post_rope(q, getattr(self, Q_POST), getattr(self, f"{Q_POST}_columns"))  # [T, Σ_h d_k(g(h))]
