@@ -15,17 +15,12 @@ A program owns (a few query tokens of one request, one KV head, one split of its
 (query token, GQA member) pairs, so each code is unpacked once for the whole group. The layer's heads come in a few
 kinds (PageLayout.kinds: each chunk's width and band), compile-time constants: a program branches once, on its
 head's kind, into a loop whose every unpacking is fixed, so the compiler sees all of a key block's loads at once.
-Per key block of BLOCK_N tokens and per 16-dim chunk:
-  - a p-bit plane (p = 2, 4, 8) is p/2 words a token, dims 2k and 2k + 1 in the two 16-bit lanes of one word:
-    (word >> p·f) & mask gives two codes; 3, 5 and 6 bits OR in the second plane's bits (1 bit: a word that two
-    tokens share; 2 bits: a word a token);
-  - in half precision the lanes OR-ed into 0x4300 (bfloat16, codes < 2^7) or 0x6400 (float16) are 2^7 + q
-    (2^10 + q): a paired subtract and a paired multiply-add by the scale make the values; 8-bit codes in bfloat16
-    and float32 queries go through float32;
-  - the token's band scale byte c, s = 2^((c − 128)/8), once per (token, band).
-The chunks are joined pairwise (tl.join) into one [BLOCK_N, 16·NC] tile whose column NC·i + rev(c) is dim i of
-chunk c (rev: c's bits reversed), so each side is one tl.dot: the queries are loaded in that column order once, and
-the output is stored back in dim order. Splits of a long context are merged by triton_decode's combine kernel.
+Per key block of BLOCK_N tokens and per chunk (8 or 16 dims): the chunk's plane words are loaded and made values
+in the query dtype by triton_unpack (on CUDA two numbers a register: three instructions a pair), scaled by the
+token's band scale byte c, s = 2^((c − 128)/8), once per (token, band). The chunks are joined (tl.join, then the
+join's index moved first) into one [BLOCK_N, CH·NC] tile whose columns are the head's dims in order, so each side
+is one tl.dot and the queries and the output are read and written as they lie. Splits of a long context are merged
+by triton_decode's combine kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ from kvfold_runtime.kernels.triton_common import (
     unit_columns,
 )
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
+from kvfold_runtime.kernels.triton_unpack import chunk_values, plane_words
 from kvfold_runtime.pages import page_layout
 
 __all__ = ["paged_pages_attention"]
@@ -61,98 +57,6 @@ MIN_ROWS = 8
 
 def _block_n(head_dim: int) -> int:
     return 128 if head_dim <= 64 else 64
-
-
-@triton.jit
-def _words(rows, at, tok, valid, P: tl.constexpr, CH: tl.constexpr):
-    """A p-bit plane's words for BLOCK_N tokens of CH-dim chunks: [BLOCK_N, W] int32, the token's W = CH·p/32 words,
-    or where tokens share a word (CH·p/8 < 4 bytes: pages.lane_bits < 16) [BLOCK_N, 1] their word shifted so that
-    the token's fields lie at bits p·k of each lane (bits above them belong to other tokens: callers mask). rows
-    [BLOCK_N]: each token's page (a uint8 pointer); at: the plane's offset in the page (int32), tok: the token's
-    place in its page."""
-    E: tl.constexpr = CH * P // 8  # a token's bytes in the plane
-    if E < 4:
-        SHARE: tl.constexpr = 4 // E
-        word = tl.load((rows + (at + tok // SHARE * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid,
-                       other=0)
-        x = word >> ((tok % SHARE) * 8)
-        if E == 1:  # one byte a token: lane 0's bits in its low nibble, lane 1's in its high one
-            x = (x & 0xF) | ((x & 0xF0) << 12)
-        return x[:, None]
-    else:
-        W: tl.constexpr = E // 4
-        words = (rows + (at + tok * E)).to(tl.pointer_type(tl.int32), bitcast=True)
-        return tl.load(words[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
-
-
-@triton.jit
-def _lanes(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
-    """Pairs of codes v (int32, lane h = bits 16h …) -> (lane 0, lane 1) values (q − 2^(b−1) + ½)·s in OUT, the
-    query dtype. In half precision with codes below 2^7 (bfloat16) or 2^10 (float16), a lane OR-ed into a magic
-    number is the 16-bit float 2^7 + q (2^10 + q): one 32-bit OR, one paired subtract (of an integer, exact) and one
-    paired multiply-add (·s + s/2, rounded once) make two numbers, with no integer-to-float conversion; otherwise in
-    float32. HALF = 2^(b−1) − ½."""
-    if (OUT == tl.bfloat16 and WIDTH < 8) or OUT == tl.float16:
-        MAGIC: tl.constexpr = 0x43004300 if OUT == tl.bfloat16 else 0x64006400  # two lanes of 2^7 or 2^10
-        BASE: tl.constexpr = (128.0 if OUT == tl.bfloat16 else 1024.0) + HALF + 0.5  # an integer: exact
-        m = v | MAGIC
-        sh = s.to(OUT)
-        half = (s * 0.5).to(OUT)
-        lo = m.to(tl.int16).to(OUT, bitcast=True) - BASE
-        hi = (m >> 16).to(tl.int16).to(OUT, bitcast=True) - BASE
-        return lo * sh + half, hi * sh + half
-    else:  # the same trick in float32 (2^23 + q, then q exactly; no integer-to-float conversion, a slow one on
-        # GPUs), then q·s − HALF·s in one multiply-add: exact for a half-precision scale (HALF·s has ≤ 16 bits)
-        s32 = s.to(OUT).to(tl.float32)  # the scale in the query dtype, as the half-precision path rounds it
-        offset = -HALF * s32
-        lo = ((v & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        hi = ((v >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return (lo * s32 + offset).to(OUT), (hi * s32 + offset).to(OUT)
-
-
-@triton.jit
-def _field(words, hi_words, s, f: tl.constexpr, F: tl.constexpr, HALF: tl.constexpr, WIDTH: tl.constexpr,
-           P1: tl.constexpr, P2: tl.constexpr, OUT: tl.constexpr):
-    """Field f of every first-plane word (pair k = w·F + f, dims 2k and 2k + 1), with its second-plane bits (p₂ = 1
-    or 2, at bit p₂·k of the token's one word) above the first plane's p₁: (lane 0, lane 1) values [BLOCK_N, W]."""
-    v = (words >> (P1 * f)) & (((1 << P1) - 1) * 0x00010001)
-    if P2 > 0:
-        W: tl.constexpr = words.shape[1]
-        k = tl.arange(0, W)[None, :] * F + f
-        v = v | (((hi_words >> (P2 * k)) & (((1 << P2) - 1) * 0x00010001)) << P1)
-    return _lanes(v, s, HALF, WIDTH, OUT)
-
-
-@triton.jit
-def _fields(words, hi_words, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-            CH: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_N, CH] values of a chunk from its first plane's words [BLOCK_N, W] (and its second plane's, P2 > 0):
-    F = CH/2W fields a lane; the joins lay pair w·F + f's two dims out in dim order."""
-    F: tl.constexpr = CH // 2 // words.shape[1]
-    if F == 2:
-        a0, b0 = _field(words, hi_words, s, 0, F, HALF, WIDTH, P1, P2, OUT)
-        a1, b1 = _field(words, hi_words, s, 1, F, HALF, WIDTH, P1, P2, OUT)
-        x = tl.join(tl.join(a0, a1), tl.join(b0, b1))
-    elif F == 4:
-        a0, b0 = _field(words, hi_words, s, 0, F, HALF, WIDTH, P1, P2, OUT)
-        a1, b1 = _field(words, hi_words, s, 1, F, HALF, WIDTH, P1, P2, OUT)
-        a2, b2 = _field(words, hi_words, s, 2, F, HALF, WIDTH, P1, P2, OUT)
-        a3, b3 = _field(words, hi_words, s, 3, F, HALF, WIDTH, P1, P2, OUT)
-        x = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
-    else:
-        tl.static_assert(F == 8)
-        a0, b0 = _field(words, hi_words, s, 0, F, HALF, WIDTH, P1, P2, OUT)
-        a1, b1 = _field(words, hi_words, s, 1, F, HALF, WIDTH, P1, P2, OUT)
-        a2, b2 = _field(words, hi_words, s, 2, F, HALF, WIDTH, P1, P2, OUT)
-        a3, b3 = _field(words, hi_words, s, 3, F, HALF, WIDTH, P1, P2, OUT)
-        a4, b4 = _field(words, hi_words, s, 4, F, HALF, WIDTH, P1, P2, OUT)
-        a5, b5 = _field(words, hi_words, s, 5, F, HALF, WIDTH, P1, P2, OUT)
-        a6, b6 = _field(words, hi_words, s, 6, F, HALF, WIDTH, P1, P2, OUT)
-        a7, b7 = _field(words, hi_words, s, 7, F, HALF, WIDTH, P1, P2, OUT)
-        a = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
-        b = tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7)))
-        x = tl.join(a, b)
-    return tl.reshape(x, [BLOCK_N, CH])
 
 
 @triton.jit
@@ -181,36 +85,26 @@ def _chunk(rows, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BA
             HALF: tl.constexpr = (1 << (WIDTH - 1)) - 0.5
             P1: tl.constexpr = 8 if WIDTH == 8 else (4 if WIDTH >= 4 else 2)  # pages.PLANES
             P2: tl.constexpr = WIDTH - P1
-            words = _words(rows, region, tok, valid, P1, CH)
+            words = plane_words(rows, region, tok, valid, P1, CH)
             hi_words = words
             if P2 > 0:
-                hi_words = _words(rows, region + PAGE * CH * P1 // 8, tok, valid, P2, CH)
-            return _fields(words, hi_words, s, HALF, WIDTH, P1, P2, CH, OUT, BLOCK_N)
+                hi_words = plane_words(rows, region + PAGE * CH * P1 // 8, tok, valid, P2, CH)
+            return chunk_values(words, hi_words, s, HALF, WIDTH, P1, P2, CH, OUT, BLOCK_N)
 
 
 @triton.jit
 def _tile(rows, tok, valid, words_ptr, WIDTHS: tl.constexpr, BANDS: tl.constexpr, FIRST: tl.constexpr,
           COUNT: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr,
           BLOCK_N: tl.constexpr):
-    """Chunks FIRST … FIRST + COUNT − 1 joined: [BLOCK_N, 16·COUNT], column COUNT·i + rev(c − FIRST) = dim i of
-    chunk c (the module docstring)."""
+    """Chunks FIRST … FIRST + COUNT − 1 side by side: [BLOCK_N, CH·COUNT], column j = the head's dim FIRST·CH + j
+    (a join puts its new index last: it is moved first, which moves no data)."""
     if COUNT == 1:
         return _chunk(rows, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, CH, PAGE, OUT, BLOCK_N)
     else:
         a = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, CH, PAGE, OUT, BLOCK_N)
         b = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, CH, PAGE, OUT,
                   BLOCK_N)
-        return tl.reshape(tl.join(a, b), [BLOCK_N, CH * COUNT])
-
-
-@triton.jit
-def _dims_of(cols, NC: tl.constexpr, LOG_NC: tl.constexpr, CH: tl.constexpr):
-    """The head dim each tile column holds (the join order of _tile)."""
-    r = cols % NC
-    c = r * 0
-    for b in tl.static_range(LOG_NC):
-        c = c | (((r >> b) & 1) << (LOG_NC - 1 - b))
-    return c * CH + cols // NC
+        return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BLOCK_N, CH * COUNT])
 
 
 @triton.jit
@@ -250,7 +144,7 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
             page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len, end, off_k, dk,
             off_v, dv, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, GROUP: tl.constexpr,
             QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, NC: tl.constexpr, LOG_NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
+            BLOCK_N: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
             UPCAST: tl.constexpr):
     """One program's attention for a head whose chunks have the widths KW (keys) and VW (values) and lie in the
     scaled bands KB / VB: every unpacking below is fixed at compile time."""
@@ -264,7 +158,7 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     live = (rows < QUERIES * GROUP) & (qi < q_len)
     qpos = end - q_len + qi
     tok_q = (q_start + qi).to(tl.int64)
-    dims = _dims_of(tl.arange(0, BLOCK_D), NC, LOG_NC, CH)  # the head dim of each tile column
+    dims = tl.arange(0, BLOCK_D)  # the tile's columns are the head's dims
     q_at = q_ptr + tok_q[:, None] * stride_q + GROUP * off_k + j[:, None] * dk + dims[None, :]
     q = tl.load(q_at, mask=live[:, None] & (dims < dk)[None, :], other=0.0)  # [BLOCK_M, BLOCK_D], tile order
     if UPCAST:
@@ -317,7 +211,7 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
                   starts_ptr, table_ptr, stride_q, stride_o, page_bytes, stride_table, num_kv_heads, window, scaling,
                   KINDS: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr, PAGE: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr,
-                  LOG_NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  CH: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     mb, g, sp, r, q_start, q_len = program_task(starts_ptr, NUM_SPLITS)
     if mb * QUERIES >= q_len:  # the grid covers the longest request
         return
@@ -332,7 +226,7 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
             _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_words, table_ptr, stride_q,
                     stride_o, page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len,
                     end, off_k, dk, off_v, dv, KINDS[i][0], KINDS[i][1], KINDS[i][2], KINDS[i][3], GROUP, QUERIES,
-                    PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, LOG_NC, CH, DOT_PREC, UPCAST)
+                    PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
 
 
 def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -376,7 +270,7 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
         query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
         scaling, KINDS=kinds, GROUP=group, QUERIES=queries, PAGE=layout.page, NUM_SPLITS=num_splits,
         BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)), BLOCK_N=_block_n(nc * ch), NC=nc, CH=ch,
-        LOG_NC=nc.bit_length() - 1, num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS, **dot_options(_pages_kernel, query.dtype))
     if num_splits > 1:
         _combine_kernel[(tokens, g_count * group)](
