@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from kvfold.adapters import Adapter
 
-__all__ = ["AttentionPatch", "OutTap", "QKVTap", "patched", "tapped"]
+__all__ = ["AttentionPatch", "OutTap", "QKVTap", "exact_recent_attention", "patched", "tapped"]
 
 QKVTap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (layer, q, k, v)
 OutTap = Callable[[int, torch.Tensor], None]  # (layer, o_proj input [B, T, H*d])
@@ -37,6 +37,37 @@ class AttentionPatch:
 
     before: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], QKV] | None = None
     after: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # (sinks, window): a cache that keeps its first `sinks` tokens and each query's `window` most recent ones (the
+    # query's own included) as the model made them, and only the others as `before` left them
+    exact: tuple[int, int] | None = None
+
+
+# query rows per block of exact_recent_attention: two [B, H, rows, T] score blocks at a time, not [T, T]
+_ROWS = 512
+
+
+def exact_recent_attention(query: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
+                           cached: tuple[torch.Tensor, torch.Tensor], sinks: int, window: int, *,
+                           scaling: float) -> torch.Tensor:
+    """Causal attention as a cache that keeps sink and recent tokens whole serves it: query i reads key and value
+    j as `exact` (k, v) has them where j < sinks or i − j < window, else as `cached` (k, v) has them. q
+    [B, H, T, d], keys and values [B, H_kv, T, d] (GQA: query head h reads KV head h // (H / H_kv)) -> [B, T, H, d],
+    as transformers' attention functions return it; scores times `scaling`, float32 softmax."""
+    group = query.shape[1] // exact[0].shape[1]
+    k0, v0, k1, v1 = (x.repeat_interleave(group, dim=1).float() for x in (*exact, *cached))
+    q = query.float() * scaling
+    t = query.shape[2]
+    j = torch.arange(t, device=query.device)
+    out = []
+    for at in range(0, t, _ROWS):
+        i = j[at:at + _ROWS, None]
+        whole = (j[None, :] < sinks) | (i - j[None, :] < window)
+        seen = j[None, :] <= i
+        rows = q[:, :, at:at + _ROWS]
+        scores = torch.where(whole, rows @ k0.transpose(-1, -2), rows @ k1.transpose(-1, -2))
+        p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+        out.append(torch.where(whole, p, 0.0) @ v0 + torch.where(whole, 0.0, p) @ v1)
+    return torch.cat(out, dim=2).transpose(1, 2).to(query.dtype)
 
 
 def _inner_attention(module: nn.Module, name: str) -> Callable:
@@ -52,9 +83,17 @@ def _register(inner: str) -> str:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         patch: AttentionPatch | None = getattr(module, _PATCH_ATTR, None)
-        if patch is not None and patch.before is not None:
-            query, key, value = patch.before(query, key, value)
-        out, weights = _inner_attention(module, inner)(module, query, key, value, attention_mask, **kwargs)
+        if patch is not None and patch.exact is not None:
+            q, k, v = patch.before(query, key, value) if patch.before is not None else (query, key, value)
+            if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+                raise ValueError("AttentionPatch.exact: softcapped or sliding-window attention is not supported")
+            scaling = kwargs.get("scaling")
+            out, weights = exact_recent_attention(q, (key, value), (k, v), *patch.exact,
+                                                  scaling=module.scaling if scaling is None else scaling), None
+        else:
+            if patch is not None and patch.before is not None:
+                query, key, value = patch.before(query, key, value)
+            out, weights = _inner_attention(module, inner)(module, query, key, value, attention_mask, **kwargs)
         if patch is not None and patch.after is not None:
             out = patch.after(out)
         return out, weights

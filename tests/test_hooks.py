@@ -127,3 +127,53 @@ def test_llama_keys_equal_an_independent_recomputation():
 
 def test_rope_archs_listed():
     assert set(ROPE_ARCHS) == {a for a in TINY_CONFIGS if get_adapter(a).rope}
+
+
+def test_exact_recent_attention_reads_sinks_and_the_window_whole():
+    """Against a per-query loop: query i reads key/value j from the whole tensors where j < sinks or i − j <
+    window, else from the cached ones (GQA: 4 query heads over 2 KV heads), across row blocks."""
+    import kvfold.hooks as hooks
+
+    g = torch.Generator().manual_seed(0)
+    b, h, hk, t, d = 2, 4, 2, 23, 8
+    q = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
+    k0, v0, k1, v1 = (torch.randn(b, hk, t, d, generator=g, dtype=torch.float64) for _ in range(4))
+    rows, hooks._ROWS = hooks._ROWS, 5  # several row blocks
+    try:
+        got = hooks.exact_recent_attention(q, (k0, v0), (k1, v1), sinks=3, window=4, scaling=d ** -0.5)
+    finally:
+        hooks._ROWS = rows
+    want = torch.zeros(b, t, h, d, dtype=torch.float64)
+    for i in range(t):
+        whole = [j < 3 or i - j < 4 for j in range(i + 1)]
+        for head in range(h):
+            kv = head // (h // hk)
+            k = torch.stack([(k0 if w else k1)[:, kv, j] for j, w in enumerate(whole)], 1)
+            v = torch.stack([(v0 if w else v1)[:, kv, j] for j, w in enumerate(whole)], 1)
+            p = torch.softmax((q[:, head, i, None, :] * k).sum(-1) * d ** -0.5, -1)
+            want[:, i, head] = (p[..., None] * v).sum(1)
+    torch.testing.assert_close(got.to(torch.float64), want, rtol=1e-5, atol=1e-6)  # its softmax is float32
+
+
+def test_an_exact_window_over_the_whole_sequence_leaves_the_model_unchanged(arch_model):
+    """A patch that ruins the cache, but whose window covers every token, changes nothing (to float32 rounding);
+    with a window of one token (a query reads only itself whole) it changes the output."""
+    from kvfold.hooks import AttentionPatch, patched
+
+    arch, model = arch_model
+    if getattr(model.config, "sliding_window", None) or getattr(model.config, "attn_logit_softcapping", None):
+        pytest.skip("sliding-window and softcapped attention are refused by AttentionPatch.exact")
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    layers = len(get_adapter(arch).attention_modules(model))
+
+    def ruin(q, k, v):
+        return q, k.flip(-1), -v
+
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        with patched(model, get_adapter(arch), dict.fromkeys(range(layers), AttentionPatch(ruin, exact=(0, 16)))):
+            whole = model(input_ids=ids).logits
+        with patched(model, get_adapter(arch), dict.fromkeys(range(layers), AttentionPatch(ruin, exact=(0, 1)))):
+            ruined = model(input_ids=ids).logits
+    torch.testing.assert_close(whole, before, rtol=1e-4, atol=1e-4)
+    assert (ruined - before).abs().max() > 1e-2

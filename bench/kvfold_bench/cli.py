@@ -50,6 +50,9 @@ def frontier(
                                              "--context.")] = 12288,
     context: Annotated[int, typer.Option(help="Window length every point is scored in (calibration stays at "
                                          "512).")] = 512,
+    score_from: Annotated[int, typer.Option(help="Score each window's tokens from this position on (long context: "
+                                            "e.g. --context 4096 --score-from 1024, so that a cache's recent "
+                                            "window cannot hide its history's error).")] = 1,
     passkey: Annotated[int, typer.Option(help="Also passkey retrieval in prompts of this many tokens: the original's, "
                                          "and each method read as export reads its own: the smallest point at the "
                                          "joint target that keeps the keys under three roundings (0: skip).")] = 0,
@@ -70,7 +73,7 @@ def frontier(
     with user_errors():
         report = bench_frontier(model or ["smollm2", "smollm2-mha"], method, accuracy, eval_text, eval_tokens,
                                 calib_tokens, sensitivity_tokens, multiple, json_out, png, context=context,
-                                passkey=passkey, calib_text=calib_text)
+                                passkey=passkey, calib_text=calib_text, score_from=score_from)
     err.print(frontier_table(report))
     if json_out is None:
         print(json.dumps(report, indent=2))

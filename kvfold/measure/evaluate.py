@@ -128,10 +128,15 @@ def _replayed(layers: list[nn.Module], outputs: list[list] | None) -> Iterator[N
 
 
 def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against: Reference | None = None,
-                keep: Reference | None = None, description: str = "scoring") -> Metrics:
-    """Next-token top-1 accuracy and NLL of `model` as it runs now, over every window; with `against`,
-    also top-1 agreement and KL divergence from that reference; with `keep`, fill it with this run's
-    predictions (the original's run, for later comparisons). Its progress: a stage named `description`."""
+                keep: Reference | None = None, description: str = "scoring", start: int = 1) -> Metrics:
+    """Next-token top-1 accuracy and NLL of `model` as it runs now, over every window's tokens from position
+    `start` on (each predicted from all before it; a later start scores long-context predictions only); with
+    `against`, also top-1 agreement and KL divergence from that reference (kept with the same start); with
+    `keep`, fill it with this run's predictions (the original's run, for later comparisons). Its progress: a
+    stage named `description`."""
+    start = max(1, start)
+    if any(len(s) <= start for s in windows.ids):
+        raise ValueError(f"score_model(start={start}) needs windows longer than {start} tokens")
     hits: list[int] = []
     nlls: list[float] = []
     agree: list[int] = []
@@ -141,11 +146,11 @@ def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against
     with torch.inference_mode(), progress(description, len(windows.ids), "windows") as advance:
         for b, ids in enumerate(batches(windows, batch)):
             ids = ids.to(device)
-            logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+            logits = model(input_ids=ids, use_cache=False).logits[:, start - 1:-1]
             ref = None if against is None else (against.top_ids[b].to(device), against.top_logp[b].to(device))
             if ref is not None and ref[0].shape[:2] != logits.shape[:2]:
                 raise ValueError("score_model(against=...) must see the windows and batch size its reference saw")
-            rows = _score_rows(logits, ids[:, 1:], ref, keep is not None)
+            rows = _score_rows(logits, ids[:, start:], ref, keep is not None)
             del logits
             hits += rows.hit.sum(-1).tolist()
             nlls += rows.nll.double().sum(-1).tolist()
@@ -157,7 +162,7 @@ def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against
                 kls += rows.kl.double().sum(-1).tolist()
                 token_kl.append(rows.kl.flatten().cpu())
             advance(len(ids))
-    sizes = tuple(len(s) - 1 for s in windows.ids)
+    sizes = tuple(len(s) - start for s in windows.ids)
     count = sum(sizes)
     p99 = torch.quantile(torch.cat(token_kl).double(), 0.99).item() if token_kl else float("nan")
     return Metrics(top1=sum(hits) / count, nll=sum(nlls) / count, tokens=count, correct=tuple(hits),

@@ -115,6 +115,7 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     (["--eval-tokens", "512"], "at least twice --context"),
     (["--accuracy", "1.5"], "--accuracy must be in (0, 1]"),
     (["--multiple", "0"], "--multiple at least 1"),
+    (["--score-from", "512"], "--score-from must be at least 1 and less than --context (512)"),
     (["--calib-text", "wiki:nope"], "unknown text split 'wiki:nope'"),
     (["--model", "/nonexistent"], "does not exist"),
 ])

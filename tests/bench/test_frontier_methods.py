@@ -253,3 +253,40 @@ def test_a_methods_grid_can_be_narrowed_for_a_focused_run():
     for bad in ("int4_per_token_head@4", "kvfold-bits@", "kvfold-bits@four"):
         with pytest.raises(KVFoldError, match=r"knob grid"):
             get_methods([bad])
+
+
+def test_a_method_with_sinks_and_a_recent_window_whole(setup):
+    """NAME:sSwW (issue 51): the method's patches with the first S and each query's last W tokens whole, its bytes
+    (S + W + (T − S − W)·f)/T at the scored context; a window as long as the context gives the original's logits
+    back, a shorter one sits between the original and the method alone; a projection method is refused."""
+    from kvfold_bench.frontier.methods.recent import Recent, fraction_at
+
+    (alone,) = METHODS["int4"].candidates(setup)
+    (m,) = get_methods(["int4:s4w16"])
+    assert isinstance(m, Recent) and m.name == "int4:s4w16" and m.inner == METHODS["int4"]
+    (cand,) = m.candidates(setup)
+    t = setup.context
+    assert cand.kv_fraction == pytest.approx((20 + (t - 20) * alone.kv_fraction) / t)
+    assert fraction_at(32768, 64, 256, 0.125) == pytest.approx((320 + 32448 * 0.125) / 32768)
+    ref = frontier_logits(setup)
+    (whole,) = Recent(METHODS["int4"], 0, t).candidates(setup)
+    assert _close(frontier_logits(setup, whole.patches), ref, 1e-4)
+    err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
+    assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
+    (bits,) = get_methods(["kvfold-bits:s64w256@3,2.5"])
+    assert bits.inner.grid == (3.0, 2.5) and bits.name == "kvfold-bits:s64w256"
+    with pytest.raises(KVFoldError, match="changes the projections"):
+        next(Recent(METHODS["palu"], 4, 16).candidates(setup))
+
+
+def test_long_context_scoring_counts_positions_from_score_from(setup):
+    """score_model(start=): only each window's tokens from `start` on are scored, the reference kept alike."""
+    from kvfold.measure.evaluate import Reference, score_model
+
+    ref = Reference([], [])
+    late = score_model(setup.model, setup.windows, setup.batch, keep=ref, start=100)
+    assert late.window_tokens == tuple(len(s) - 100 for s in setup.windows.ids)
+    again = score_model(setup.model, setup.windows, setup.batch, against=ref, start=100)
+    assert again.kl == pytest.approx(0.0, abs=1e-9) and again.top1 == late.top1
+    with pytest.raises(ValueError, match="longer than"):
+        score_model(setup.model, setup.windows, setup.batch, start=setup.context)

@@ -22,7 +22,7 @@ __all__ = ["bench_frontier"]
 def bench_frontier(models: list[str], methods: list[str] | None, target: float, eval_text: str, eval_tokens: int,
                    calib_tokens: int, sensitivity_tokens: int, multiple: int, json_path: Path | None,
                    png_path: Path | None, context: int = 512, passkey: int = 0,
-                   calib_text: str = "wiki:calib") -> dict:
+                   calib_text: str = "wiki:calib", score_from: int = 1) -> dict:
     """Run the frontier and write its JSON and PNG (each atomically; nothing is written on failure)."""
     get_methods(list(methods or []))  # bad names and paths fail before any work
     for spec in models:
@@ -31,6 +31,8 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
     resolve_text(calib_text)  # a bad text name fails before any model loads
     if context < 2 or eval_tokens < 2 * context:
         raise KVFoldError("--eval-tokens must be at least twice --context (two windows give a standard error)")
+    if not 1 <= score_from < context:
+        raise KVFoldError(f"--score-from must be at least 1 and less than --context ({context}), got {score_from}")
     if 0 < passkey < 256:
         raise KVFoldError("--passkey must be 0 (skip) or at least 256 tokens")
     if not 0.0 < target <= 1.0:
@@ -40,6 +42,6 @@ def bench_frontier(models: list[str], methods: list[str] | None, target: float, 
     if png_path is not None:
         pyplot()  # a missing plotting library fails now, not after the sweep
     report = run_frontier(models, methods, target, eval_text, eval_tokens, calib_tokens, sensitivity_tokens,
-                          multiple, context=context, passkey=passkey, calib_text=calib_text)
+                          multiple, context=context, passkey=passkey, calib_text=calib_text, score_from=score_from)
     write_outputs(report, json_path, png_path, draw)
     return report

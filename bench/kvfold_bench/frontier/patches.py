@@ -5,6 +5,7 @@ the tensors it caches; the model otherwise runs unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -68,6 +69,6 @@ def nudged(patches: dict[int, AttentionPatch], nudge: float) -> dict[int, Attent
 
     def wrap(patch: AttentionPatch) -> AttentionPatch:
         inner = patch.before or (lambda q, k, v: (q, k, v))
-        return AttentionPatch(before=lambda q, k, v: inner(q, jitter(k), jitter(v)), after=patch.after)
+        return dataclasses.replace(patch, before=lambda q, k, v: inner(q, jitter(k), jitter(v)))
 
     return {i: wrap(patch) for i, patch in patches.items()}

@@ -36,7 +36,7 @@ def _ordered(names: list[str]) -> list[str]:
 
 def run_frontier(models: list[str], methods: list[str] | None, target: float, eval_text: str, eval_tokens: int,
                  calib_tokens: int, sensitivity_tokens: int, multiple: int, context: int = 512,
-                 passkey: int = 0, calib_text: str = "wiki:calib") -> dict:
+                 passkey: int = 0, calib_text: str = "wiki:calib", score_from: int = 1) -> dict:
     """Without `methods`: every method on the first model, the peers (no ablations) on the others."""
     t0 = time.perf_counter()
     results = []
@@ -45,13 +45,13 @@ def run_frontier(models: list[str], methods: list[str] | None, target: float, ev
         with tempfile.TemporaryDirectory(prefix="kvfold-frontier-") as tmp:
             setup = Setup(spec, Path(tmp), eval_text=eval_text, eval_tokens=eval_tokens, calib_tokens=calib_tokens,
                           calib_text=calib_text, sensitivity_tokens=sensitivity_tokens, multiple=multiple,
-                          context=context, passkey=passkey)
+                          context=context, passkey=passkey, score_from=score_from)
             layout = HeadLayout.from_config(setup.model.config)
             rows = sweep_model(setup, get_methods(names), target)
         results.append({
             "model": spec, "num_heads": layout.num_heads, "num_kv_heads": layout.num_kv_heads,
             "baseline_top1": round(setup.baseline.top1, 4), "baseline_ppl": round(setup.baseline.ppl, 3),
-            "eval_tokens": setup.baseline.tokens, "context": setup.context,
+            "eval_tokens": setup.baseline.tokens, "context": setup.context, "score_from": setup.score_from,
             **({"passkey_original": setup.passkey_summary()} if passkey else {}),
             "methods": rows, **_versus_papers(rows),
             "notes": _notes(spec, rows),

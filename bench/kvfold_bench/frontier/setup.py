@@ -55,6 +55,7 @@ class Setup:
     sensitivity_tokens: int = 512  # wiki:dev: costs are never measured on the text that is scored
     multiple: int = 1
     context: int = 512  # the scored windows' length (calibration and sensitivity windows stay at seq_len)
+    score_from: int = 1  # each window's tokens from this position on are scored (long context: e.g. 1,024 of 4,096)
     passkey: int = 0  # passkey prompt length (measure/passkey.py); 0: none
     ref: ModelRef = field(init=False)
     model: nn.Module = field(init=False)
@@ -76,7 +77,7 @@ class Setup:
                                       seed=0)
         self.batch = max(1, 2048 // self.context)  # the logits of 2,048 tokens at a time
         self.reference = Reference([], [])
-        self.baseline = score_model(self.model, self.windows, self.batch, keep=self.reference)
+        self.baseline = score_model(self.model, self.windows, self.batch, keep=self.reference, start=self.score_from)
 
     @property
     def adapter(self):
@@ -92,7 +93,7 @@ class Setup:
         `proj_maps` on k/v_proj."""
         with patched(self.model, self.adapter, patches), \
                 mapped_projections(self.model, self.adapter, proj_maps or {}):
-            return score_model(self.model, self.windows, self.batch, against=self.reference)
+            return score_model(self.model, self.windows, self.batch, against=self.reference, start=self.score_from)
 
     def passkey_original(self) -> Answers:
         return self.once("passkey_original", lambda: passkey_answers(self.model, self._prompts))

@@ -5,6 +5,7 @@ research/frontier_limit.py's references): run only when named."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from kvfold.errors import KVFoldError
 
@@ -14,6 +15,7 @@ from .fp8 import Fp8
 from .kvfold import KVFold
 from .palu import Palu
 from .quant import IntPerToken, Kivi
+from .recent import Recent
 from .think import ThinK
 from .turboquant import TurboQuant
 from .uniform import Uniform
@@ -78,9 +80,19 @@ def register(method: Method) -> None:
     METHODS[method.name] = method
 
 
+_RECENT = re.compile(r"^(.+):s(\d+)w(\d+)$")
+
+
 def get_methods(names: list[str]) -> list[Method]:
     """The methods by name. A method with a knob grid takes its sweep narrowed after an @: `kvfold-bits@4.5,4.25`
-    sweeps those knob values only (the same method, fewer points: a focused comparison)."""
+    sweeps those knob values only (the same method, fewer points: a focused comparison). `NAME:sSwW` is NAME with
+    its first S and each query's last W tokens kept whole (methods/recent.py): `kvfold-bits:s64w256@3,2.5`."""
+    recent = {}
+    for i, n in enumerate(names):
+        base, at, grid = n.partition("@")
+        if m := _RECENT.match(base):
+            names = [*names[:i], m.group(1) + at + grid, *names[i + 1:]]
+            recent[i] = (int(m.group(2)), int(m.group(3)))
     parsed = [(ALIASES.get(base, base), at + grid) for base, at, grid in (n.partition("@") for n in names)]
     unknown = [n for n, _ in parsed if n not in METHODS]
     if unknown:
@@ -98,4 +110,6 @@ def get_methods(names: list[str]) -> list[Method]:
                                   f"e.g. kvfold-bits@4.5,4.25")
             method = dataclasses.replace(method, grid=values)
         out.append(method)
+    for i, (sinks, window) in recent.items():
+        out[i] = Recent(out[i], sinks, window)
     return out
