@@ -37,6 +37,20 @@ def _at_least_1(*flags: tuple[str, int]) -> None:
             raise KVFoldError(f"{flag} must be at least 1, got {value}")
 
 
+def _export_lengths(export: Path, lengths: str) -> list[int]:
+    """The token counts of --lengths, once `export` is known to be an export."""
+    from kvfold_runtime import MANIFEST
+
+    if not (export / MANIFEST).is_file():
+        raise KVFoldError(f"{export} is not a kvfold export (no {MANIFEST}); run kvfold export first")
+    try:
+        sizes = [int(x) for x in lengths.split(",")]
+    except ValueError:
+        raise KVFoldError(f"--lengths {lengths!r}: give token counts separated by commas, e.g. 4096,8192") from None
+    _at_least_1(*((f"--lengths {n}", n) for n in sizes))
+    return sizes
+
+
 @app.command()
 def frontier(
     model: Annotated[list[str] | None, typer.Option(help="Models to sweep, in order [smollm2, smollm2-mha].")] = None,
@@ -292,20 +306,43 @@ def ttft(
     from kvfold.checkpoint.manifest import Manifest
     from kvfold_bench.outputs import write_outputs
     from kvfold_bench.ttft import ttft as bench_ttft
-    from kvfold_runtime import MANIFEST
 
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         _at_least_1(("--requests", requests))
-        if not (export / MANIFEST).is_file():
-            raise KVFoldError(f"{export} is not a kvfold export (no {MANIFEST}); run kvfold export first")
-        try:
-            sizes = [int(x) for x in lengths.split(",")]
-        except ValueError:
-            raise KVFoldError(f"--lengths {lengths!r}: give token counts separated by commas, e.g. 4096,8192") from None
-        _at_least_1(*((f"--lengths {n}", n) for n in sizes))
+        sizes = _export_lengths(export, lengths)
         report = bench_ttft(export, Path(Manifest.load(export).source.path), sizes, requests, text)
         write_outputs(report, json_out, None, None)
+    print(json.dumps(report, indent=2))
+
+
+@app.command()
+def ruler(
+    export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
+    task: Annotated[list[str] | None, typer.Option(help="RULER tasks that run offline [niah_single_1, "
+                                                  "niah_multikey_2, niah_multikey_3, ruler_vt, ruler_cwe, "
+                                                  "ruler_fwe].")] = None,
+    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated (within the model's "
+                                         "context).")] = "4096",
+    samples: Annotated[int, typer.Option(help="Samples per task and length (RULER's own, the first N).")] = 20,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here, and resume from it when it "
+                                                  "holds part of the same run [stdout].")] = None,
+) -> None:
+    """RULER (lm-eval) on an export and its original, each served by vLLM's OpenAI server: per task and length,
+    both scores and the difference in points; JSON, resumable."""
+    from kvfold.checkpoint.manifest import Manifest
+    from kvfold_bench.outputs import check_paths
+    from kvfold_bench.ruler import OFFLINE_TASKS
+    from kvfold_bench.ruler import ruler as bench_ruler
+
+    export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
+    with user_errors():
+        _at_least_1(("--samples", samples))
+        sizes = _export_lengths(export, lengths)
+        if json_out is not None:
+            check_paths(json_out)
+        report = bench_ruler(export, Path(Manifest.load(export).source.path), list(task or OFFLINE_TASKS), sizes,
+                             samples, json_out)
     print(json.dumps(report, indent=2))
 
 
@@ -335,49 +372,8 @@ def compile(  # the command's name
     print(text)
 
 
-@app.command("serve-point", hidden=True)
-def serve_point(model: str, tokenizer_dir: str, out: Path, kv_cache_bytes: int = 1 << 29, kv_cache_dtype: str = "auto",
-                requests: int = 64, prompt_tokens: int = 512, new_tokens: int = 512, long_prompt_tokens: int = 4096,
-                long_new_tokens: int = 128, workload: str = "all", dtype: str = "float32", eager: bool = False,
-                reference: Path | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                timing_only: bool = False) -> None:
-    from kvfold_bench.serve_point import Workload, one_engine
-
-    with user_errors():
-        shape = Workload(requests, prompt_tokens, new_tokens, long_prompt_tokens, long_new_tokens, workload)
-        probe = None if reference is None else json.loads(reference.read_text())
-        result = one_engine(model, tokenizer_dir, kv_cache_bytes, kv_cache_dtype, shape, dtype, eager, probe,
-                            tensor_parallel, pipeline_parallel, timing_only)
-    atomic_write_text(out, json.dumps(result))
-
-
-@app.command("serve-paired", hidden=True)
-def serve_paired(spec: Path, out: Path) -> None:
-    from kvfold_bench.serve_paired import paired_decode
-
-    with user_errors():
-        result = paired_decode(**json.loads(spec.read_text()))
-    atomic_write_text(out, json.dumps(result))
-
-
-@app.command("memory-point", hidden=True)
-def memory_point(model: str, context: int = 4096, new_tokens: int = 32, batch: int = 1,
-                 exported: bool = False) -> None:
-    from kvfold_bench.memory import one_run
-
-    with user_errors():
-        result = one_run(model, exported, context, new_tokens, batch)
-    print(json.dumps(result))
-
-
-@app.command("calibrate-point", hidden=True)
-def calibrate_point(model: str, tokens: int = 16384, source: str = "random", seq_len: int = 512,
-                    batch: int = 8) -> None:
-    from kvfold_bench.calibrate import one_point
-
-    with user_errors():
-        result = one_point(model, tokens, source, seq_len, batch)
-    print(json.dumps(result))
+# the hidden commands the benches run in child processes register themselves on `app`
+from kvfold_bench import cli_children  # noqa: E402,F401
 
 
 def main() -> None:

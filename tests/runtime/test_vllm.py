@@ -285,6 +285,36 @@ def test_ttft_bench_times_both_servers_on_distinct_prompts(smollm2_exports, tmp_
 
 
 @pytest.mark.slow
+def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_exports, tmp_path):
+    """`kvfold-bench ruler` (issue 51): lm-eval's RULER niah_single_1 on the original and the export, each served
+    by vLLM's OpenAI server, a score per model, task and length with the difference in points; a re-run on the
+    same JSON starts no server and changes nothing; another sample count is refused for that JSON."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from kvfold_bench.cli import app
+
+    out = tmp_path / "ruler.json"
+    args = ["ruler", "--export", str(smollm2_exports["p10"]), "--task", "niah_single_1", "--lengths", "1024",
+            "--samples", "2", "--json", str(out)]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    report = json.loads(out.read_text())
+    cells = {name: report["scores"][name]["niah_single_1"]["1024"] for name in ("original", "export")}
+    assert all(0.0 <= c["score"] <= 1.0 and c["samples"] == 2 and c["seconds"] > 0 for c in cells.values())
+    (point,) = report["points"]
+    assert point["export_minus_original_points"] == pytest.approx(
+        100 * (cells["export"]["score"] - cells["original"]["score"]), abs=0.01)
+    t = time.perf_counter()
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and json.loads(out.read_text()) == report
+    assert time.perf_counter() - t < 60  # no server started
+    other = CliRunner().invoke(app, [*args[:-3], "3", "--json", str(out)])
+    assert other.exit_code == 2 and "holds another run" in other.output
+
+
+@pytest.mark.slow
 def test_bench_serve_prints_capacity_on_real_weights(smollm2_exports, tmp_path):
     """`kvfold-bench serve` on SmolLM2's p ≈ 0.1 export, capacity and probe only (`--workload none`: the
     workloads' figures are checked on a tiny model by tests/bench/test_serve.py, ~2 minutes less here): vLLM's own

@@ -1,0 +1,96 @@
+"""RULER through lm-eval (issue 51, item 3): an export and its original judged by a harness nobody here wrote, on
+RULER's synthetic long-context tasks, served as a user serves them.
+
+Each model is started as `vllm serve MODEL` starts it (vLLM's OpenAI server, the server's default dtype; the
+export through kvfold-runtime's plugin) with a context of the longest length, and lm-eval 0.4's
+`local-completions` model sends it every task's prompts (greedy, RULER's own generation lengths). Only the tasks
+whose haystacks need no download run offline: niah_single_1 (noise haystack), niah_multikey_2/3 (haystacks of
+keys), ruler_vt, ruler_cwe, ruler_fwe; the essay-haystack ones load a Hub dataset. A task's samples are RULER's
+own (lm-eval generates 500 per length from the model's tokenizer; the first `samples` are scored).
+
+On a CPU a request takes seconds to tens of seconds, so the JSON is resumable: a re-run with the same JSON skips
+every (model, task, length) it already holds at that many samples, and writes after each one (atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kvfold.errors import KVFoldError
+from kvfold_bench.openai_server import serve
+from kvfold_bench.outputs import write_outputs
+
+__all__ = ["OFFLINE_TASKS", "ruler"]
+
+OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+
+
+def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], samples: int,
+          json_path: Path | None, kv_cache_mib: int = 1024) -> dict:
+    """Per model (original, export), task and length: RULER's score (the share of expected strings found, lm-eval's
+    own metric) over the first `samples` samples."""
+    unknown = [t for t in tasks if t not in OFFLINE_TASKS]
+    if unknown:
+        raise KVFoldError(f"--task {', '.join(unknown)}: choose from the RULER tasks that run offline: "
+                          f"{', '.join(OFFLINE_TASKS)}")
+    report = _resumed(json_path, export, original, samples)
+    for name, path in (("original", original), ("export", export)):
+        todo = [(t, n) for t in tasks for n in lengths
+                if str(n) not in report["scores"].get(name, {}).get(t, {})]
+        if not todo:
+            continue
+        with serve(path, dtype=None, max_model_len=max(lengths), kv_cache_bytes=kv_cache_mib << 20) as base:
+            for task, n in todo:
+                t0 = time.perf_counter()
+                score = _evaluate(base, path, task, n, samples)
+                cell = {"score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 1)}
+                report["scores"].setdefault(name, {}).setdefault(task, {})[str(n)] = cell
+                report["points"] = _points(report["scores"])
+                if json_path is not None:
+                    write_outputs(report, json_path, None, None)
+    return report
+
+
+def _evaluate(base: str, model: Path, task: str, length: int, samples: int) -> float:
+    """lm-eval's score of one task at one length through the server at `base`."""
+    import lm_eval
+
+    args = {"base_url": f"{base}/v1/completions", "model": str(model), "tokenizer": str(model),
+            "tokenizer_backend": "huggingface", "tokenized_requests": False, "max_length": length,
+            "num_concurrent": 1, "max_retries": 1, "timeout": 3600}
+    out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task], limit=samples,
+                                  metadata={"max_seq_lengths": [length], "tokenizer": str(model)},
+                                  log_samples=False, bootstrap_iters=0)
+    value = out["results"][task].get(f"{length},none")
+    if not isinstance(value, (int, float)):
+        raise KVFoldError(f"lm-eval gave no {length}-token score for {task}: {out['results'][task]}")
+    return round(float(value), 4)
+
+
+def _points(scores: dict) -> list[dict]:
+    """Per task and length both models hold: their scores and the export's difference in points (×100)."""
+    rows = []
+    for task, by_length in scores.get("original", {}).items():
+        for n, cell in by_length.items():
+            other = scores.get("export", {}).get(task, {}).get(n)
+            if other is not None:
+                rows.append({"task": task, "length": int(n), "original": cell["score"], "export": other["score"],
+                             "export_minus_original_points": round(100 * (other["score"] - cell["score"]), 2)})
+    return rows
+
+
+def _resumed(json_path: Path | None, export: Path, original: Path, samples: int) -> dict:
+    """The JSON to extend (the same export, original and sample count), or a new one."""
+    fresh = {"benchmark": "ruler", "harness": "lm-eval local-completions through vllm.entrypoints.openai.api_server "
+             "(dtype: the server's default)", "export": str(export), "original": str(original),
+             "samples": samples, "scores": {}, "points": []}
+    if json_path is None or not json_path.is_file():
+        return fresh
+    old = json.loads(json_path.read_text())
+    if (old.get("benchmark"), old.get("export"), old.get("original"), old.get("samples")) != \
+            ("ruler", str(export), str(original), samples):
+        raise KVFoldError(f"{json_path} holds another run (export, original or --samples differ): give another --json "
+                          "to start one")
+    return old
