@@ -248,7 +248,8 @@ def export_report(path, arch: str = "sm_90") -> dict:
                      "d_v": one.d_v[0], "heads": len(entry["heads"]), "layer_heads": entry["heads"],
                      "thread_instructions_per_number": round(loop["instructions"] * f["num_warps"] * 32 / numbers, 2),
                      "main_loop_instructions": loop["instructions"], "registers": f["registers"],
-                     "spills": f["spills"], "narrowest_load_bytes": loop["narrowest_load_bytes"]})
+                     "spills": f["spills"], "main_loop_ldl_stl_instructions": loop["ldl_stl_instructions"],
+                     "narrowest_load_bytes": loop["narrowest_load_bytes"]})
     total = sum(r["heads"] for r in rows)
     return {"benchmark": "kernels --aot --export", "date": datetime.date.today().isoformat(), "arch": arch,
             "export": str(path), "kinds": rows, "kv_heads": total,

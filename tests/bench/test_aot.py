@@ -153,6 +153,9 @@ def test_an_exports_kinds_of_head_are_compiled(tiny_dirs, tmp_path):
     pairs = [tuple(p) for kind in report["kinds"] for p in kind["layer_heads"]]
     assert len(pairs) == len(set(pairs)) == report["kv_heads"] == 2 * 2  # the tiny Llama: 2 layers × 2 KV heads
     assert all(k["thread_instructions_per_number"] > 0 and k["registers"] <= 128 for k in report["kinds"])
+    # spills are counted over the kernel and, apart, in the main loop, where they cost per cached number
+    assert all(0 <= k["main_loop_ldl_stl_instructions"] <= k["spills"]["ldl_stl_instructions"]
+               for k in report["kinds"])
     assert report["max_thread_instructions_per_number"] >= report["mean_thread_instructions_per_number"]
     loose = write_export("LlamaForCausalLM", model, tmp_path / "loose", "uneven", bits="low")  # 4-dim bands
     assert_user_error(CliRunner().invoke(app, ["kernels", "--aot", "sm_90", "--export", str(loose.path)]),
