@@ -267,6 +267,8 @@ def test_a_method_with_sinks_and_a_recent_window_whole(setup):
     (cand,) = m.candidates(setup)
     t = setup.context
     assert cand.kv_fraction == pytest.approx((20 + (t - 20) * alone.kv_fraction) / t)
+    assert cand.kv_fraction_32k == pytest.approx((20 + 32748 * alone.kv_fraction) / 32768)
+    assert alone.kv_fraction_32k is None  # a method whose bytes do not depend on the context
     assert fraction_at(32768, 64, 256, 0.125) == pytest.approx((320 + 32448 * 0.125) / 32768)
     ref = frontier_logits(setup)
     (whole,) = Recent(METHODS["int4"], 0, t).candidates(setup)

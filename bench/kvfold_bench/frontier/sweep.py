@@ -33,6 +33,7 @@ class Point:
     # Scored on a mixture of texts (the default wiki:eval+pydoc:eval): the same figures on each text alone, in
     # the mixture's order. The target holds only where it holds on the mixture and on every text (as export's).
     parts: tuple[Point, ...] = ()
+    kv_fraction_32k: float | None = None  # the same bytes at 32K tokens, where they depend on the context
 
     @classmethod
     def measured(cls, knob: float, kv_fraction: float, m: Metrics, b: Metrics) -> Point:
@@ -81,8 +82,8 @@ def _run(method: Method, setup: Setup) -> tuple[list[Point], list]:
     for cand in method.candidates(setup):
         cands.append(cand)
         t0 = time.perf_counter()
-        points.append(Point.measured(cand.knob, cand.kv_fraction, setup.score(cand.patches, cand.proj_maps),
-                                     setup.baseline))
+        points.append(replace(Point.measured(cand.knob, cand.kv_fraction, setup.score(cand.patches, cand.proj_maps),
+                                             setup.baseline), kv_fraction_32k=cand.kv_fraction_32k))
         log.info("%s %s: %s=%g  KV %.4f of fp16  top-1 ratio %.4f ± %.4f  ppl ratio %.4f  KL %.5f  (%.0f s)",
                  setup.spec, method.name, method.knob, cand.knob, cand.kv_fraction, points[-1].top1_ratio,
                  points[-1].top1_se, points[-1].ppl_ratio, points[-1].kl, time.perf_counter() - t0)

@@ -22,6 +22,8 @@ class Candidate:
     kv_fraction: float  # KV-cache bytes per token / the original's at fp16
     patches: dict[int, AttentionPatch] = field(default_factory=dict)  # layer -> around attention
     proj_maps: dict[tuple[int, str], ProjMap] = field(default_factory=dict)  # (layer, "k"|"v") -> output map
+    # where the bytes per token depend on the context (whole sink and recent tokens): the fraction at 32K tokens
+    kv_fraction_32k: float | None = None
 
 
 class Method(Protocol):

@@ -57,4 +57,4 @@ class Recent:
                                   "(no cache to keep whole); a window applies to methods that change the cache")
             patches = {i: dataclasses.replace(p, exact=(self.sinks, self.window)) for i, p in cand.patches.items()}
             yield Candidate(cand.knob, fraction_at(setup.context, self.sinks, self.window, cand.kv_fraction),
-                            patches)
+                            patches, kv_fraction_32k=fraction_at(32768, self.sinks, self.window, cand.kv_fraction))
