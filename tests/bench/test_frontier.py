@@ -109,6 +109,25 @@ def test_frontier_at_a_longer_context_with_passkey_retrieval(tiny_dirs, tmp_path
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the reading ringed, in the legend
 
 
+def test_frontier_scores_long_windows_from_a_position_with_a_recent_window(tiny_dirs, tmp_path):
+    """Issue 51 through the CLI: --context 256 --score-from 64 scores each window's last 192 tokens only, and
+    int4:s4w16 (int4 with its first 4 and last 16 tokens whole) lands between int4 and the original."""
+    model = str(tiny_dirs["LlamaForCausalLM"])
+    out = tmp_path / "f.json"
+    res = CliRunner().invoke(app, [
+        "frontier", "--model", model, "--method", "int4", "--method", "int4:s4w16", "--context", "256",
+        "--score-from", "64", "--eval-tokens", "1024", "--calib-tokens", "1024", "--sensitivity-tokens", "512",
+        "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (m,) = json.loads(out.read_text())["models"]
+    assert m["score_from"] == 64 and m["eval_tokens"] == 4 * (256 - 64)
+    alone, recent = ((row["name"], row["points"][0]) for row in m["methods"])
+    assert (alone[0], recent[0]) == ("int4", "int4:s4w16")
+    assert alone[1]["kv_fraction"] < recent[1]["kv_fraction"] < 1 and recent[1]["kv_fraction_32k"] < recent[1][
+        "kv_fraction"]
+    assert 0 < recent[1]["kl"] < alone[1]["kl"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--method", "nope"], "unknown method nope"),
     (["--json", "/nonexistent/x.json"], "does not exist"),
