@@ -38,8 +38,11 @@ class AttentionPatch:
     before: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], QKV] | None = None
     after: Callable[[torch.Tensor], torch.Tensor] | None = None
     # (sinks, window): a cache that keeps its first `sinks` tokens and each query's `window` most recent ones (the
-    # query's own included) as the model made them, and only the others as `before` left them
+    # query's own included) whole, and only the others as `before` left them. Whole: as `whole` gives them, i.e.
+    # `before` without the cache's rounding (a method that maps q or the basis must give it; None: the keys and
+    # values as the model made them, right for methods that only round them)
     exact: tuple[int, int] | None = None
+    whole: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], QKV] | None = None
 
 
 # query rows per block of exact_recent_attention: two [B, H, rows, T] score blocks at a time, not [T, T]
@@ -88,6 +91,7 @@ def _register(inner: str) -> str:
             if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
                 raise ValueError("AttentionPatch.exact: softcapped or sliding-window attention is not supported")
             scaling = kwargs.get("scaling")
+            _, key, value = patch.whole(query, key, value) if patch.whole is not None else (query, key, value)
             out, weights = exact_recent_attention(q, (key, value), (k, v), *patch.exact,
                                                   scaling=module.scaling if scaling is None else scaling), None
         else:

@@ -39,16 +39,20 @@ def compressed(factors: LayerFactors, like: torch.dtype | torch.Tensor,
     keep_v = quantize_v or keep_k
     mean = None if factors.k_mean is None else factors.k_mean.to(kb)[None, :, None]  # [1, H_kv, 1, d]
 
-    def before(q, k, v):  # [B, H|H_kv, T, d]
+    def mapped(q, k, v):  # [B, H|H_kv, T, d]: the compressed tensors, before the cache rounds them
         if mean is not None:
             k = k - mean
-        return (torch.einsum("bhtd,hde->bhte", q, qa), keep_k(torch.einsum("bhtd,hde->bhte", k, kb)),
-                keep_v(torch.einsum("bhtd,hde->bhte", v, va)))
+        return (torch.einsum("bhtd,hde->bhte", q, qa), torch.einsum("bhtd,hde->bhte", k, kb),
+                torch.einsum("bhtd,hde->bhte", v, va))
+
+    def before(q, k, v):
+        q, k, v = mapped(q, k, v)
+        return q, keep_k(k), keep_v(v)
 
     def after(out):  # [B, T, H, d]: o' (zero past d_v) -> o' B_hᵀ
         return torch.einsum("bthe,hde->bthd", out, ob)
 
-    return AttentionPatch(before=before, after=after)
+    return AttentionPatch(before=before, after=after, whole=mapped)
 
 
 def banded(bands: list, nudge: float = 0.0) -> Callable[[torch.Tensor], torch.Tensor]:

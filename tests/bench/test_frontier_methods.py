@@ -12,6 +12,7 @@ import torch
 from kvfold.errors import KVFoldError
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
+from kvfold.hooks import AttentionPatch
 from kvfold.measure.evaluate import _patch
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold_bench.frontier.methods import METHODS, get_methods
@@ -277,6 +278,15 @@ def test_a_method_with_sinks_and_a_recent_window_whole(setup):
     assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
     (bits,) = get_methods(["kvfold-bits:s64w256@3,2.5"])
     assert bits.inner.grid == (3.0, 2.5) and bits.name == "kvfold-bits:s64w256"
+    # kvfold-bits attends in its rotated basis: its whole tokens are its own k' and v' unrounded (compressed's
+    # `whole`), so a window over every token gives the plan's dims without their rounding
+    low = replace(METHODS["kvfold-bits"], grid=(4.0,))
+    (coded,), (windowed,) = low.candidates(setup), Recent(low, 0, t).candidates(setup)
+    unrounded = {i: AttentionPatch(before=p.whole, after=p.after) for i, p in coded.patches.items()}
+    assert _close(frontier_logits(setup, windowed.patches), frontier_logits(setup, unrounded), 1e-4)
+    assert not _close(frontier_logits(setup, coded.patches), frontier_logits(setup, unrounded), 1e-3)
+    with pytest.raises(KVFoldError, match="is a rank method"):
+        list(Recent(METHODS["kvfold"], 4, 16).candidates(setup))
     with pytest.raises(KVFoldError, match="changes the projections"):
         next(Recent(METHODS["palu"], 4, 16).candidates(setup))
 

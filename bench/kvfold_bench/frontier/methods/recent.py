@@ -51,10 +51,19 @@ class Recent:
         return None  # its mildest point is its own: the sinks and window change every point
 
     def candidates(self, setup) -> Iterator[Candidate]:
+        from .kvfold import KVFold
+        from .uniform import Uniform
+
+        if isinstance(self.inner, (KVFold, Uniform)):  # q projected onto kept dims, whatever the key
+            raise KVFoldError(f"--method {self.name}: {self.inner.name} is a rank method (its cache is the projection "
+                              "itself, with no rounding to keep whole); a window applies to methods that round")
         for cand in self.inner.candidates(setup):
             if cand.proj_maps:
                 raise KVFoldError(f"--method {self.name}: {self.inner.name} changes the projections themselves "
                                   "(no cache to keep whole); a window applies to methods that change the cache")
+            if any(p.after is not None and p.whole is None for p in cand.patches.values()):
+                raise KVFoldError(f"--method {self.name}: {self.inner.name} maps attention to another basis without "
+                                  "saying what its whole tokens are (AttentionPatch.whole)")
             patches = {i: dataclasses.replace(p, exact=(self.sinks, self.window)) for i, p in cand.patches.items()}
             yield Candidate(cand.knob, fraction_at(setup.context, self.sinks, self.window, cand.kv_fraction),
                             patches, kv_fraction_32k=fraction_at(32768, self.sinks, self.window, cand.kv_fraction))
