@@ -62,10 +62,12 @@ def _pairs(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
     """Pairs of codes v [BLOCK_N, W] (int32, lane h = bits 16h …) -> their values (q − 2^(b−1) + ½)·s in OUT, the
     query dtype, [BLOCK_N, W, 2] (lane last: a pair is one 32-bit register, the word itself). In half precision
     with codes below 2^7 (bfloat16) or 2^10 (float16), a lane OR-ed into a magic number is the 16-bit float 2^7 + q
-    (2^10 + q): one 32-bit OR, one paired subtract (of an integer, exact) and one paired multiply-add (·s + s/2,
-    rounded once) make two numbers, with no integer-to-float conversion; otherwise in float32. HALF = 2^(b−1) − ½."""
+    (2^10 + q): the integer 2^7 + 2^(b−1) (2^10 + …) subtracted (exact) and a multiply-add (·s + s/2, rounded once)
+    make the values, with no integer-to-float conversion; otherwise in float32 (8-bit codes under bfloat16 queries
+    on CUDA take _bytes_bf16, from _field). HALF = 2^(b−1) − ½."""
+    # the magic number's integer plus the code's offset: an integer, so subtracting it is exact
+    BASE: tl.constexpr = (128.0 if OUT == tl.bfloat16 else 1024.0) + HALF + 0.5
     if _packed(WIDTH, OUT):  # the pair in one register, by PTX
-        BASE: tl.constexpr = (128.0 if OUT == tl.bfloat16 else 1024.0) + HALF + 0.5  # an integer: exact
         args = [v, _twice(tl.full(v.shape, 1.0, tl.float32), OUT), _twice(tl.full(v.shape, -BASE, tl.float32), OUT),
                 _twice(s, OUT), _twice(s * 0.5, OUT)]
         if OUT == tl.bfloat16:
@@ -77,12 +79,9 @@ def _pairs(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
         return tl.join(lo, hi)
     elif (OUT == tl.bfloat16 and WIDTH < 8) or OUT == tl.float16:  # the same in Triton (the interpreter's path)
         MAGIC: tl.constexpr = 0x43004300 if OUT == tl.bfloat16 else 0x64006400  # two lanes of 2^7 or 2^10
-        BASE2: tl.constexpr = (128.0 if OUT == tl.bfloat16 else 1024.0) + HALF + 0.5
         m = v | MAGIC
         pair = tl.join(m.to(tl.int16), (m >> 16).to(tl.int16)).to(OUT, bitcast=True)
-        return (pair - BASE2) * s.to(OUT)[:, :, None] + (s * 0.5).to(OUT)[:, :, None]
-    elif OUT == tl.bfloat16 and _ASM:  # 8-bit codes: bfloat16's 8 bits cannot hold 2^7 + q
-        return _bytes_bf16(v, s, HALF, 0)
+        return (pair - BASE) * s.to(OUT)[:, :, None] + (s * 0.5).to(OUT)[:, :, None]
     else:  # the same trick in float32 (2^23 + q, then q exactly; no integer-to-float conversion, a slow one on
         # GPUs), then q·s − HALF·s in one multiply-add: exact for a half-precision scale (HALF·s has ≤ 16 bits)
         s32 = s.to(OUT).to(tl.float32)  # the scale in the query dtype, as the half-precision path rounds it
@@ -150,7 +149,7 @@ def _field(words, hi_words, s, f: tl.constexpr, F: tl.constexpr, HALF: tl.conste
 
 @triton.jit
 def chunk_values(words, hi_words, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-            CH: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+                 CH: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N, CH] values of a chunk from its first plane's words [BLOCK_N, W] (and its second plane's, P2 > 0):
     F = CH/2W fields a lane. Pair w·F + f's two dims go to columns 2(w·F + f) and + 1 (dim order): the fields
     are joined (the join's new index is the fastest), then the lane, first in each pair, is moved last."""
