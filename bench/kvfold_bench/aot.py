@@ -244,7 +244,7 @@ def export_report(path, arch: str = "sm_90") -> dict:
         f = kernel_figures(launches[0])
         loop = f["main_loop"]
         numbers = f["constexprs"]["BLOCK_N"] * (one.d_k[0] + one.d_v[0])
-        rows.append({"key_widths": list(kind[0]), "value_widths": list(kind[2]), "d_k": one.d_k[0],
+        rows.append({"key_widths": list(kind[0]), "value_widths": list(kind[3]), "d_k": one.d_k[0],
                      "d_v": one.d_v[0], "heads": len(entry["heads"]), "layer_heads": entry["heads"],
                      "thread_instructions_per_number": round(loop["instructions"] * f["num_warps"] * 32 / numbers, 2),
                      "main_loop_instructions": loop["instructions"], "registers": f["registers"],

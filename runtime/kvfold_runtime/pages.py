@@ -137,13 +137,19 @@ class PageLayout:
         return 1 << (self.chunks - 1).bit_length()
 
     def kinds(self) -> tuple[tuple, list[int]]:
-        """The layer's kinds of head, the kernels' constexprs: per kind (key widths, key bands, value widths, value
-        bands), each per chunk of the tile (width 0 past the head's dims; the band: its index among the head's
-        scaled bands, 0 where none), and each KV head's kind."""
+        """The layer's kinds of head, the kernels' constexprs, and each KV head's kind. A kind is, for keys then
+        values, three tuples over the tile's chunks: each chunk's width (0 past the head's dims), where its first
+        plane lies and where its band's scale bytes lie (0 where it has none), both in units of P bytes from the
+        head's first plane (`table`'s chunk-0 offset): a head's regions follow one another in an order its widths
+        fix, so the kernels address every region but the head's first at a compile-time offset."""
         def side(bands):
             chunks = _head_chunks(bands, self.chunk)
-            chunks += [(0, -1)] * (self.tile_chunks - len(chunks))
-            return tuple(w for w, _ in chunks), tuple(max(b, 0) for _, b in chunks)
+            planes = [0]
+            for width, _ in chunks:
+                planes.append(planes[-1] + self.chunk * width // 8)  # a chunk's planes: P · n·b/8 bytes
+            scales = [planes[-1] + band if band >= 0 else 0 for _, band in chunks]
+            pad = [0] * (self.tile_chunks - len(chunks))
+            return tuple([w for w, _ in chunks] + pad), tuple(planes[:-1] + pad), tuple(scales + pad)
 
         per_head = [side(k) + side(v) for k, v in zip(self.dims.k_bands, self.dims.v_bands, strict=True)]
         kinds = tuple(dict.fromkeys(per_head))

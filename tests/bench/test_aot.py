@@ -32,10 +32,17 @@ def bits_decode() -> dict:
     return aot.run_case(_case("kvfold bits decode (contiguous)"), 128)
 
 
-@pytest.fixture(scope="module", params=[128, 64])
+PAGES = "kvfold bits decode, GPU page layout, {} (paged)"
+MIX = "8/5/4 | 6/4 bits"
+
+
+@pytest.fixture(scope="module", params=[("4 bits", 128), ("4 bits", 64), (MIX, 128), (MIX, 64),
+                                        (MIX + " on 8-dim chunks", 64)], ids=lambda p: f"{p[0]}@{p[1]}")
 def pages_decode(request) -> dict:
-    """The page-layout bits decode, 4 bits everywhere, at head_dim 128 and 64."""
-    return aot.run_case(_case("kvfold bits decode, GPU page layout, 4 bits (paged)"), request.param)
+    """The page-layout bits decode: 4 bits everywhere and an export-like mix, at head_dim 128 and 64 (8-dim chunks:
+    head_dim 64's alignment, formats/bits.band_align_for)."""
+    widths, d = request.param
+    return aot.run_case(_case(PAGES.format(widths)), d)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +107,10 @@ def test_bits_decode_budget(pages_decode):
     assert main["kernel"] == "_pages_kernel"
     assert pages_decode["thread_instructions_per_number"] <= 8
     assert pages_decode["call"]["thread_instructions_per_number"] <= 8
-    # and what the paired unpacking (two numbers a register, triton_unpack) reached: 5.30 at head_dim 128, 5.86 at
-    # 64; a change that loses it (say, Triton re-packing pairs again) fails here before the budget above does
-    assert pages_decode["thread_instructions_per_number"] <= 6.5
+    if pages_decode["case"] == PAGES.format("4 bits"):
+        # and what the paired unpacking (two numbers a register, triton_unpack) reached: 4.69 at head_dim 128, 5.97
+        # at 64; a change that loses it (say, Triton re-packing pairs again) fails here before the budget does
+        assert pages_decode["thread_instructions_per_number"] <= 6.5
     assert pages_decode["registers"] <= 128
     assert main["spills"] == {"ldl_stl_instructions": 0, "stack_bytes": 0, "local_bytes": 0}
     assert main["main_loop"]["narrowest_load_bytes"] >= 4
@@ -110,13 +118,12 @@ def test_bits_decode_budget(pages_decode):
 
 def test_8_dim_chunks_cost_about_what_16_dim_ones_do_at_head_dim_64():
     """The mixed layer (8/5/4 | 6/4 bits) at head_dim 64 on 8-dim chunks, the bits format's alignment there
-    (formats/bits.band_align_for): within 10% of the same widths on 16-dim chunks per cached number (measured 8.30
-    against 7.77: Triton stores the 8-dim tile to shared memory one number at a time, the 16-dim one eight at a
-    time), within 128 registers and without spills (at head_dim 128 8-dim chunks spill: the alignment stays 16)."""
-    sixteen, eight = (aot.run_case(_case(f"kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits{on} (paged)"), 64)
-                      for on in ("", " on 8-dim chunks"))
+    (formats/bits.band_align_for): within 5% of the same widths on 16-dim chunks per cached number (measured 7.25
+    against 7.23), within 128 registers and without spills (at head_dim 128 8-dim chunks cost ~20: the alignment
+    there stays 16)."""
+    sixteen, eight = (aot.run_case(_case(PAGES.format(MIX + on)), 64) for on in ("", " on 8-dim chunks"))
     assert eight["kernels"][0]["constexprs"]["CH"] == 8 and sixteen["kernels"][0]["constexprs"]["CH"] == 16
-    assert eight["thread_instructions_per_number"] <= 1.10 * sixteen["thread_instructions_per_number"]
+    assert eight["thread_instructions_per_number"] <= 1.05 * sixteen["thread_instructions_per_number"]
     assert eight["registers"] <= 128 and eight["kernels"][0]["spills"]["ldl_stl_instructions"] == 0
 
 

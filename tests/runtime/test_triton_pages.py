@@ -89,6 +89,27 @@ def test_a_page_is_its_rows_rearranged(layer, page):
     assert (cache[[0, 2]] == 255).all()
 
 
+@pytest.mark.parametrize(("layer", "page"), [("mixed", 16), ("eighths", 32)])
+def test_a_kinds_offsets_are_the_tables(layer, page):
+    """The kernels address a head's planes and scales at its kind's compile-time offsets from its first plane: they
+    are the table's offsets, head by head."""
+    layout = page_layout(LAYERS[layer], page)
+    kinds, of_head = layout.kinds()
+    table = layout.table("cpu")
+    for side in range(2):
+        for h, k in enumerate(of_head):
+            widths, planes, scales = kinds[k][3 * side:3 * side + 3]
+            first = int(table[side, h, 1, 0])
+            for c, width in enumerate(widths):
+                if width == 0:
+                    continue
+                assert int(table[side, h, 0, c]) == width
+                assert int(table[side, h, 1, c]) == first + page * planes[c]
+                if width != 16:
+                    assert first + page * scales[c] in table[side, h, 2].tolist()
+    assert len(kinds) == len(set(of_head)) and len(kinds) > 1
+
+
 @pytest.mark.parametrize("layer", ["mixed", "eighths"])
 def test_every_field_is_where_the_layout_says(layer):
     """Read each chunk's codes back from a page as the kernel does (pairs of dims in the lanes of 32-bit words;
@@ -218,7 +239,11 @@ TOLERANCE = {F32: (1e-5, 1e-5), F16: (2e-3, 3 * 2.0 ** -11), BF16: (2e-3, 3 * 2.
     ("one head", [40, 30, 45], [1, 30, 20], 30, None, F32, 16),
     ("eighths", [100, 1, 37, 64], [1] * 4, None, 3, BF16, 16),  # 8-dim chunks
     ("eighths", [40, 30, 45], [1, 30, 20], 10, None, F16, 32),
-    ("eighths", [40, 30, 45], [1, 30, 20], None, None, F32, 16)])
+    ("eighths", [40, 30, 45], [1, 30, 20], None, None, F32, 16),
+    # pages longer than a key block (BLOCK_N 64 here, 128 for "eighths"): a block is part of one page
+    ("mixed", [300, 1, 137], [1] * 3, None, 2, BF16, 128),
+    ("mixed", [140, 200], [1, 30], 50, None, F16, 128),
+    ("eighths", [300, 45], [1, 20], 40, None, BF16, 256)])
 def test_paged_matches_the_reference(layer, seq_lens, q_lens, window, splits, dtype, page):
     from kvfold_runtime.kernels.triton_pages import paged_pages_attention
 

@@ -13,14 +13,20 @@ rounded once (bands.dequantize's scale_dtype); the reference rounds the float32 
 
 A program owns (a few query tokens of one request, one KV head, one split of its context); its tile's rows are
 (query token, GQA member) pairs, so each code is unpacked once for the whole group. The layer's heads come in a few
-kinds (PageLayout.kinds: each chunk's width and band), compile-time constants: a program branches once, on its
-head's kind, into a loop whose every unpacking is fixed, so the compiler sees all of a key block's loads at once.
-Per key block of BLOCK_N tokens and per chunk (8 or 16 dims): the chunk's plane words are loaded and made values
-in the query dtype by triton_unpack (on CUDA two numbers a register: three instructions a pair), scaled by the
-token's band scale byte c, s = 2^((c − 128)/8), once per (token, band). The chunks are joined (tl.join, then the
-join's index moved first) into one [BLOCK_N, CH·NC] tile whose columns are the head's dims in order, so each side
-is one tl.dot and the queries and the output are read and written as they lie. Splits of a long context are merged
-by triton_decode's combine kernel.
+kinds (PageLayout.kinds: each chunk's width and where its planes and scales lie), compile-time constants: a program
+branches once, on its head's kind, into a loop whose every unpacking is fixed, so the compiler sees all of a key
+block's loads at once.
+
+A key block of BLOCK_N tokens (starting at a multiple of BLOCK_N) is read as segments of whole pages (or of one
+page, where a page is longer than a block): a plane's entries for a segment's tokens are contiguous in its page, so
+one block-table entry and one 64-bit address a segment serve every load of a head, each plane and scale region at a
+compile-time offset from the head's first plane (issue 50: per-token addresses cost ~15% of the loop, in pointer
+arithmetic and in moving pointer vectors between layouts through shared memory). Per chunk (8 or 16 dims): the
+chunk's plane words are made values in the query dtype by triton_unpack (on CUDA two numbers a register: three
+instructions a pair), scaled by the token's band scale byte c, s = 2^((c − 128)/8), once per (token, band). The
+chunks are joined (tl.join, then the join's index moved first) into one [BLOCK_N, CH·NC] tile whose columns are the
+head's dims in order, so each side is one tl.dot and the queries and the output are read and written as they lie.
+Splits of a long context are merged by triton_decode's combine kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from kvfold_runtime.kernels.triton_common import (
     unit_columns,
 )
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
-from kvfold_runtime.kernels.triton_unpack import chunk_values, plane_words
+from kvfold_runtime.kernels.triton_unpack import chunk_values, plane_words, scale_bytes
 from kvfold_runtime.pages import page_layout
 
 __all__ = ["paged_pages_attention"]
@@ -60,66 +66,74 @@ def _block_n(head_dim: int) -> int:
 
 
 @triton.jit
-def _chunk(rows, tok, valid, words_ptr, C: tl.constexpr, WIDTH: tl.constexpr, BAND: tl.constexpr, NC: tl.constexpr,
-           CH: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_N, CH] values of chunk C (CH dims) in the query dtype OUT for BLOCK_N tokens (WIDTH bits, in the head's
-    scaled band BAND; WIDTH 0: the head has no such chunk, zeros); rows [BLOCK_N]: each token's page (a uint8
-    pointer); tok: its place in the page; words_ptr: the head's row of the layout's table."""
+def _chunk(base, first, valid, WIDTH: tl.constexpr, PLANE: tl.constexpr, SCALE: tl.constexpr, CH: tl.constexpr,
+           PAGE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, CH] values of a chunk of CH dims in the query dtype OUT for a block of BLOCK_N tokens: WIDTH bits
+    (0: the head has no such chunk, zeros), its first plane PLANE·PAGE bytes and its band's scale bytes SCALE·PAGE
+    bytes after the head's first plane (PageLayout.kinds); base, first: the block's segments, at the head's first
+    plane (triton_unpack.plane_words); valid [BLOCK_N]: the tokens the request has (MASKED: some have not, and what
+    their rows hold is never made a value that could be NaN or infinite)."""
     if WIDTH == 0:
         return tl.zeros([BLOCK_N, CH], OUT)
     else:
-        region = tl.load(words_ptr + NC + C)  # the chunk's first plane in the page (a multiple of 16)
-        if WIDTH * CH >= 128:  # 16- and 32-byte entries: let their loads be wide (4-byte ones do best as words)
-            region = tl.multiple_of(region, 16)
         if WIDTH == 16:  # float16 values, dim 2w + h in lane h of word w: the natural order
-            at = (rows + (region + tok * (2 * CH))).to(tl.pointer_type(tl.float16), bitcast=True)
-            return tl.load(at[:, None] + tl.arange(0, CH)[None, :], mask=valid[:, None], other=0.0).to(OUT)
+            at = (base + (PLANE * PAGE + first * (2 * CH))).to(tl.pointer_type(tl.float16), bitcast=True)
+            x = tl.reshape(tl.load(at[:, None] + tl.arange(0, SEG * CH)[None, :]), [BLOCK_N, CH]).to(OUT)
+            if MASKED:  # an unwritten row may hold NaN
+                x = tl.where(valid[:, None], x, 0.0)
+            return x
         else:
-            # the band's log8 scale byte, read in the word of four tokens' bytes it sits in (the chunks of one band
-            # read the same word: one load and one exp2 a band)
-            scale_at = tl.load(words_ptr + 2 * NC + BAND)
-            word = tl.load((rows + (scale_at + tok // 4 * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid,
-                           other=0x80808080)
-            byte = (word >> ((tok % 4) * 8)) & 255
+            # the band's log8 scale byte (the chunks of one band read the same bytes: one load and one exp2 a band)
+            byte = scale_bytes(base, first, SCALE * PAGE, SEG, BLOCK_N)
+            if MASKED:  # an unwritten row's scale could overflow a float16 value: 1 instead
+                byte = tl.where(valid, byte, 128)
             s = tl.exp2((byte.to(tl.float32) - 128.0) * 0.125)[:, None]
             HALF: tl.constexpr = (1 << (WIDTH - 1)) - 0.5
             P1: tl.constexpr = 8 if WIDTH == 8 else (4 if WIDTH >= 4 else 2)  # pages.PLANES
             P2: tl.constexpr = WIDTH - P1
-            words = plane_words(rows, region, tok, valid, P1, CH)
+            words = plane_words(base, first, PLANE * PAGE, P1, CH, SEG, BLOCK_N)
             hi_words = words
             if P2 > 0:
-                hi_words = plane_words(rows, region + PAGE * CH * P1 // 8, tok, valid, P2, CH)
+                hi_words = plane_words(base, first, PLANE * PAGE + PAGE * CH * P1 // 8, P2, CH, SEG, BLOCK_N)
             return chunk_values(words, hi_words, s, HALF, WIDTH, P1, P2, CH, OUT, BLOCK_N)
 
 
 @triton.jit
-def _tile(rows, tok, valid, words_ptr, WIDTHS: tl.constexpr, BANDS: tl.constexpr, FIRST: tl.constexpr,
-          COUNT: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, OUT: tl.constexpr,
-          BLOCK_N: tl.constexpr):
+def _tile(base, first, valid, WIDTHS: tl.constexpr, PLANES: tl.constexpr, SCALES: tl.constexpr, FIRST: tl.constexpr,
+          COUNT: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr,
+          OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Chunks FIRST … FIRST + COUNT − 1 side by side: [BLOCK_N, CH·COUNT], column j = the head's dim FIRST·CH + j
     (a join puts its new index last: it is moved first, which moves no data)."""
     if COUNT == 1:
-        return _chunk(rows, tok, valid, words_ptr, FIRST, WIDTHS[FIRST], BANDS[FIRST], NC, CH, PAGE, OUT, BLOCK_N)
+        return _chunk(base, first, valid, WIDTHS[FIRST], PLANES[FIRST], SCALES[FIRST], CH, PAGE, SEG, MASKED, OUT,
+                      BLOCK_N)
     else:
-        a = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST, COUNT // 2, NC, CH, PAGE, OUT, BLOCK_N)
-        b = _tile(rows, tok, valid, words_ptr, WIDTHS, BANDS, FIRST + COUNT // 2, COUNT // 2, NC, CH, PAGE, OUT,
-                  BLOCK_N)
+        a = _tile(base, first, valid, WIDTHS, PLANES, SCALES, FIRST, COUNT // 2, CH, PAGE, SEG, MASKED, OUT, BLOCK_N)
+        b = _tile(base, first, valid, WIDTHS, PLANES, SCALES, FIRST + COUNT // 2, COUNT // 2, CH, PAGE, SEG, MASKED,
+                  OUT, BLOCK_N)
         return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BLOCK_N, CH * COUNT])
 
 
 @triton.jit
-def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r, stride_table, page_bytes,
-          scale2, window, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, MASKED: tl.constexpr,
+def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r, stride_table, page_bytes,
+          scale2, window, KIND: tl.constexpr, MASKED: tl.constexpr,
           PAGE: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, VALUES: tl.constexpr, DTYPE: tl.constexpr,
           BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """One key block [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated. MASKED: keys past `hi`,
-    after a row's query or outside its window are hidden (a block every row sees whole needs no mask)."""
+    after a row's query or outside its window are hidden (a block every row sees whole needs no mask). k_at, v_at:
+    the head's first key and value plane in a page; KIND: the head's kind (PageLayout.kinds)."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < hi
-    page = tl.load(table_ptr + r.to(tl.int64) * stride_table + pos // PAGE, mask=valid, other=0)
-    rows = cache_ptr + page.to(tl.int64) * page_bytes  # each token's page
-    tok = pos % PAGE
-    kt = _tile(rows, tok, valid, k_words, KW, KB, 0, NC, NC, CH, PAGE, VALUES, BLOCK_N)
+    # the block as segments of SEG tokens of one page each (start is a multiple of BLOCK_N): a segment's plane
+    # entries are contiguous in its page; a page past the request's end reads as page 0 (any page will do)
+    SEG: tl.constexpr = min(PAGE, BLOCK_N)
+    seg = start + tl.arange(0, BLOCK_N // SEG) * SEG
+    page = tl.load(table_ptr + r.to(tl.int64) * stride_table + seg // PAGE, mask=seg < hi, other=0)
+    base = cache_ptr + page.to(tl.int64) * page_bytes
+    first = 0
+    if SEG < PAGE:
+        first = seg % PAGE
+    kt = _tile(base + k_at, first, valid, KIND[0], KIND[1], KIND[2], 0, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     # the keys as the dot's first operand (BLOCK_N rows): sm_90 builds use its warpgroup MMA
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
@@ -132,7 +146,7 @@ def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _tile(rows, tok, valid, v_words, VW, VB, 0, NC, NC, CH, PAGE, VALUES, BLOCK_N)
+    v = _tile(base + v_at, first, valid, KIND[3], KIND[4], KIND[5], 0, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     p = p.to(DTYPE)  # as the reference: weights in the value dtype, float32 sums
     if UPCAST:
         p = p.to(tl.float32)
@@ -140,14 +154,14 @@ def _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, 
 
 
 @triton.jit
-def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_words, table_ptr, stride_q, stride_o,
+def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q, stride_o,
             page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len, end, off_k, dk,
-            off_v, dv, KW: tl.constexpr, KB: tl.constexpr, VW: tl.constexpr, VB: tl.constexpr, GROUP: tl.constexpr,
+            off_v, dv, KIND: tl.constexpr, GROUP: tl.constexpr,
             QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
             UPCAST: tl.constexpr):
-    """One program's attention for a head whose chunks have the widths KW (keys) and VW (values) and lie in the
-    scaled bands KB / VB: every unpacking below is fixed at compile time."""
+    """One program's attention for a head of kind KIND (PageLayout.kinds: each chunk's width and where its planes
+    and scales lie): every unpacking and every offset but the head's own (k_at, v_at) is fixed at compile time."""
     BLOCK_D: tl.constexpr = CH * NC
     # the dtype values are made in: the query's (Triton's interpreter does bfloat16 arithmetic on raw bits: there,
     # float32, see triton_common.dot_options)
@@ -168,8 +182,8 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     first = end - q_len + mb * QUERIES
     hi = tl.minimum(first + QUERIES, end)
     lo = first * 0
-    if window > 0:
-        lo = tl.maximum(first - window + 1, 0)
+    if window > 0:  # from the block the window's first key is in: blocks start at multiples of BLOCK_N
+        lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = lo + sp * chunk
     hi = tl.minimum(lo + chunk, hi)
@@ -180,18 +194,18 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_word
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if QUERIES > 1 or window > 0:  # rows see different keys: every block masked
         for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, CH, VALUES,
+            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r,
+                                  stride_table, page_bytes, scale2, window, KIND, True, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
     else:  # one query token, no window: it sees every key but those past the split's end, in its last block
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N
         for start in range(lo, full, BLOCK_N):
-            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, False, PAGE, NC, CH, VALUES,
+            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r,
+                                  stride_table, page_bytes, scale2, window, KIND, False, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
         if full < hi:
-            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_words, v_words, qt, m_i, l_i, acc, full, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KW, KB, VW, VB, True, PAGE, NC, CH, VALUES,
+            m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, full, hi, qpos, r,
+                                  stride_table, page_bytes, scale2, window, KIND, True, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -218,14 +232,15 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
     off_k, dk, off_v, dv = program_head(heads_ptr, num_kv_heads, g)
     end = tl.load(seq_lens_ptr + r).to(tl.int32)
     kind = tl.load(kinds_ptr + g)
-    k_words = layout_ptr + g * 3 * NC  # this head's rows of the layout's table [2, G, 3, NC]
-    v_words = layout_ptr + (num_kv_heads + g) * 3 * NC
+    # the head's first key and value plane in a page: chunk 0's offsets in the layout's table [2, G, 3, NC]
+    k_at = tl.multiple_of(tl.load(layout_ptr + g * 3 * NC + NC), 16)
+    v_at = tl.multiple_of(tl.load(layout_ptr + (num_kv_heads + g) * 3 * NC + NC), 16)
     # one branch per kind of head in the layer (a warp-uniform choice made once per program)
     for i in tl.static_range(len(KINDS)):
         if kind == i:
-            _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_words, v_words, table_ptr, stride_q,
+            _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q,
                     stride_o, page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len,
-                    end, off_k, dk, off_v, dv, KINDS[i][0], KINDS[i][1], KINDS[i][2], KINDS[i][3], GROUP, QUERIES,
+                    end, off_k, dk, off_v, dv, KINDS[i], GROUP, QUERIES,
                     PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
 
 

@@ -22,29 +22,45 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["chunk_values", "plane_words"]
+__all__ = ["chunk_values", "plane_words", "scale_bytes"]
 
 
 @triton.jit
-def plane_words(rows, at, tok, valid, P: tl.constexpr, CH: tl.constexpr):
-    """A p-bit plane's words for BLOCK_N tokens of CH-dim chunks: [BLOCK_N, W] int32, the token's W = CH·p/32 words,
-    or where tokens share a word (CH·p/8 < 4 bytes: pages.lane_bits < 16) [BLOCK_N, 1] their word shifted so that
-    the token's fields lie at bits p·k of each lane (bits above them belong to other tokens: callers mask). rows
-    [BLOCK_N]: each token's page (a uint8 pointer); at: the plane's offset in the page (int32), tok: the token's
-    place in its page."""
+def plane_words(base, first, AT: tl.constexpr, P: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A p-bit plane's words for a block of BLOCK_N tokens of CH-dim chunks: [BLOCK_N, W] int32, each token's
+    W = CH·p/32 words, or where tokens share a word (CH·p/8 < 4 bytes: pages.lane_bits < 16) [BLOCK_N, 1] their
+    word shifted so that the token's fields lie at bits p·k of each lane (bits above them belong to other tokens:
+    callers mask).
+
+    The block is BLOCK_N/SEG segments of SEG consecutive tokens of one page each. base [BLOCK_N/SEG]: each
+    segment's page at the head's first plane (a uint8 pointer, 16-byte aligned); first: the segment's first token's
+    place in its page (int32, a multiple of 16, or 0); AT: the plane's offset from the head's first plane (a
+    compile-time multiple of 16, so every load of a head shares one address). A segment's entries are SEG·E
+    contiguous bytes of the page (the plane is token-major): one row of whole words, never masked, since every page
+    the block table names is memory of the cache, and codes past a request's end are finite values the softmax
+    weighs by zero."""
     E: tl.constexpr = CH * P // 8  # a token's bytes in the plane
-    if E < 4:
-        SHARE: tl.constexpr = 4 // E
-        word = tl.load((rows + (at + tok // SHARE * 4)).to(tl.pointer_type(tl.int32), bitcast=True), mask=valid,
-                       other=0)
-        x = word >> ((tok % SHARE) * 8)
+    N: tl.constexpr = SEG * E // 4  # the segment's words
+    row = (base + (AT + first * E)).to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.load(row[:, None] + tl.arange(0, N)[None, :])  # [BLOCK_N/SEG, N]
+    if E >= 4:
+        return tl.reshape(words, [BLOCK_N, E // 4])
+    else:
+        SHARE: tl.constexpr = 4 // E  # token t of a word: its bytes at byte t mod SHARE (of each lane, E = 2)
+        x = words[:, :, None] >> (tl.arange(0, SHARE) * 8)[None, None, :]
         if E == 1:  # one byte a token: lane 0's bits in its low nibble, lane 1's in its high one
             x = (x & 0xF) | ((x & 0xF0) << 12)
-        return x[:, None]
-    else:
-        W: tl.constexpr = E // 4
-        words = (rows + (at + tok * E)).to(tl.pointer_type(tl.int32), bitcast=True)
-        return tl.load(words[:, None] + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
+        return tl.reshape(x, [BLOCK_N, 1])
+
+
+@triton.jit
+def scale_bytes(base, first, AT: tl.constexpr, SEG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A band's log8 scale bytes for the block (plane_words' segments): [BLOCK_N] int32, token t's byte of the
+    region AT bytes after base ([P tokens × 1 byte] in each page), read as SEG/4 whole words a segment."""
+    row = (base + (AT + first)).to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.load(row[:, None] + tl.arange(0, SEG // 4)[None, :])  # [BLOCK_N/SEG, SEG/4]
+    return tl.reshape((words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255, [BLOCK_N])
 
 
 # one word's two lanes, by width: mask the codes and OR the magic number in (one LOP3), subtract its integer (a
