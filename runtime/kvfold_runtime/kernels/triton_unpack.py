@@ -154,13 +154,31 @@ def _field(words, hi_words, s, f: tl.constexpr, F: tl.constexpr, HALF: tl.conste
     if P1 == 8 and OUT == tl.bfloat16 and _ASM:  # the PRMT picks bytes f and 2 + f itself: no shift, no mask
         return _bytes_bf16(words, s, HALF, f)
     v = words >> (P1 * f)
-    if P2 > 0 or not _packed(WIDTH, OUT):  # (_PAIR masks its own)
-        v = v & (((1 << P1) - 1) * 0x00010001)
+    LOW: tl.constexpr = ((1 << P1) - 1) * 0x00010001  # the first plane's bits of each lane
     if P2 > 0:
+        # the second plane's field of pair k moved to bit p₁ of each lane by one rotation (a right shift by
+        # p₂·k − p₁ that may be negative; what wraps around lands below p₁ or past the width), then one select (a
+        # LOP3) takes the low p₁ bits from v and the rest from it; bits past the width are garbage the unpacking masks
         W: tl.constexpr = words.shape[1]
         k = tl.arange(0, W)[None, :] * F + f
-        v = v | (((hi_words >> (P2 * k)) & (((1 << P2) - 1) * 0x00010001)) << P1)
+        hi = _rotate(hi_words, (P2 * k - P1) & 31)
+        v = (v & LOW) | (hi & ~LOW)
+        if not _packed(WIDTH, OUT):  # (_PAIR masks its own)
+            v = v & (((1 << WIDTH) - 1) * 0x00010001)
+    elif not _packed(WIDTH, OUT):
+        v = v & LOW
     return _pairs(v, s, HALF, WIDTH, OUT)
+
+
+@triton.jit
+def _rotate(x, r):
+    """x rotated right by r bits (0 ≤ r < 32): one funnel shift on CUDA, the same arithmetic in Triton elsewhere."""
+    if _ASM:
+        return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [x, r + 0 * x], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        return ((u >> r) | ((u << 1) << (31 - r))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
