@@ -134,7 +134,7 @@ def _per_number(figures: dict, case: Case, d: int) -> float:
 def run_case(case: Case, d: int, without_facts: bool = False) -> dict:
     """A case's kernels' figures at head_dim d, and (decode) the whole call's thread-instructions per number.
     without_facts: also the main kernel compiled without the alignment facts (compile_launch), as a hand count."""
-    from kvfold_bench.aot_cases import CONTEXT, DTYPE, HEADS, KV_HEADS
+    from kvfold_bench.aot_cases import DTYPE, HEADS, KV_HEADS
 
     launches = case.make(d)
     figures = [kernel_figures(launch) for launch in launches]
@@ -148,17 +148,25 @@ def run_case(case: Case, d: int, without_facts: bool = False) -> dict:
                                           "main_loop_instructions": bare["main_loop"]["instructions"],
                                           "registers": bare["registers"]}
     if case.batch is not None:
-        numbers = case.batch * CONTEXT * KV_HEADS * 2 * d
-        passes = case.batch * KV_HEADS * math.ceil(CONTEXT / tokens)
-        total = 0
-        for f in figures:
-            programs = math.prod(f["grid"])
-            body = f["main_loop"]["instructions"] if f is figures[0] else 0
-            total += f["num_warps"] * 32 * (programs * (f["instructions"] - body) + passes * body)
-        out["call"] = {"batch": case.batch, "context": CONTEXT, "cached_numbers": numbers,
-                       "kernels": [f["kernel"] for f in figures],
-                       "thread_instructions_per_number": round(total / numbers, 2)}
+        out["call"] = call_figures(figures, case.batch, tokens, KV_HEADS * 2 * d)
     return out
+
+
+def call_figures(figures: list[dict], batch: int, tokens: int, numbers_per_token: int) -> dict:
+    """A decode call of `batch` sequences × aot_cases.CONTEXT tokens, its kernels' `figures` (the main one first,
+    whose loop reads `tokens` a pass of one KV head): thread-instructions per cached number over every kernel, each
+    instruction outside the main loop counted once per program, the loop's once per pass."""
+    from kvfold_bench.aot_cases import CONTEXT, KV_HEADS
+
+    numbers = batch * CONTEXT * numbers_per_token
+    passes = batch * KV_HEADS * math.ceil(CONTEXT / tokens)
+    total = 0
+    for f in figures:
+        programs = math.prod(f["grid"])
+        body = f["main_loop"]["instructions"] if f is figures[0] else 0
+        total += f["num_warps"] * 32 * (programs * (f["instructions"] - body) + passes * body)
+    return {"batch": batch, "context": CONTEXT, "cached_numbers": numbers, "kernels": [f["kernel"] for f in figures],
+            "thread_instructions_per_number": round(total / numbers, 2)}
 
 
 def aot_report(arch: str = "sm_90", head_dims: tuple[int, ...] = (128, 64), cases: list[Case] | None = None) -> dict:
@@ -241,12 +249,14 @@ def export_report(path, arch: str = "sm_90") -> dict:
                 q, kv, torch.zeros(b, c.CONTEXT // c.BLOCK, dtype=torch.int32),
                 torch.full((b,), c.CONTEXT, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32), one,
                 scaling=1.0, max_query_len=1, max_seq_len=c.CONTEXT, num_splits=c._splits(b, c.CONTEXT))
-        f = kernel_figures(launches[0])
-        loop = f["main_loop"]
+        figures = [kernel_figures(launch) for launch in launches]
+        f, loop = figures[0], figures[0]["main_loop"]
         numbers = f["constexprs"]["BLOCK_N"] * (one.d_k[0] + one.d_v[0])
+        call = call_figures(figures, b, f["constexprs"]["BLOCK_N"], c.KV_HEADS * (one.d_k[0] + one.d_v[0]))
         rows.append({"key_widths": list(kind[0]), "value_widths": list(kind[3]), "d_k": one.d_k[0],
                      "d_v": one.d_v[0], "heads": len(entry["heads"]), "layer_heads": entry["heads"],
                      "thread_instructions_per_number": round(loop["instructions"] * f["num_warps"] * 32 / numbers, 2),
+                     "call_thread_instructions_per_number": call["thread_instructions_per_number"],
                      "main_loop_instructions": loop["instructions"], "registers": f["registers"],
                      "spills": f["spills"], "main_loop_ldl_stl_instructions": loop["ldl_stl_instructions"],
                      "narrowest_load_bytes": loop["narrowest_load_bytes"]})
@@ -256,6 +266,8 @@ def export_report(path, arch: str = "sm_90") -> dict:
             "max_thread_instructions_per_number": max(r["thread_instructions_per_number"] for r in rows),
             "mean_thread_instructions_per_number": round(
                 sum(r["thread_instructions_per_number"] * r["heads"] for r in rows) / total, 2),
+            "max_call_thread_instructions_per_number": max(r["call_thread_instructions_per_number"] for r in rows),
             "notes": [UNIT, "per kind: one layer of that kind's heads, decode of "
                       f"{c.DECODE_BATCH} sequences × {c.CONTEXT} tokens in {c.BLOCK}-token pages; numbers are the "
-                      "kind's kept dims (d_k + d_v) per token; the mean weighs kinds by their (layer, KV head) pairs"]}
+                      "kind's kept dims (d_k + d_v) per token; the mean weighs kinds by their (layer, KV head) pairs",
+                      "call: the whole decode call, split merge included (run_case's call), per kind"]}

@@ -165,6 +165,10 @@ def test_an_exports_kinds_of_head_are_compiled(tiny_dirs, tmp_path):
     assert all(0 <= k["main_loop_ldl_stl_instructions"] <= k["spills"]["ldl_stl_instructions"]
                for k in report["kinds"])
     assert report["max_thread_instructions_per_number"] >= report["mean_thread_instructions_per_number"]
+    # the whole call (split merge and everything outside the loop) costs more than the loop alone
+    assert all(k["call_thread_instructions_per_number"] > k["thread_instructions_per_number"] for k in report["kinds"])
+    assert report["max_call_thread_instructions_per_number"] == max(k["call_thread_instructions_per_number"]
+                                                                      for k in report["kinds"])
     loose = write_export("LlamaForCausalLM", model, tmp_path / "loose", "uneven", bits="low")  # 4-dim bands
     assert_user_error(CliRunner().invoke(app, ["kernels", "--aot", "sm_90", "--export", str(loose.path)]),
                       "not all on 8- or 16-dim chunks")
