@@ -116,7 +116,7 @@ def _tile(base, first, valid, WIDTHS: tl.constexpr, PLANES: tl.constexpr, SCALES
 
 @triton.jit
 def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r, stride_table, page_bytes,
-          scale2, window, KIND: tl.constexpr, MASKED: tl.constexpr,
+          scale2, window, KIND: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr,
           PAGE: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, VALUES: tl.constexpr, DTYPE: tl.constexpr,
           BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """One key block [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated. MASKED: keys past `hi`,
@@ -138,7 +138,7 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         seen = valid[None, :] & (pos[None, :] <= qpos[:, None])
-        if window > 0:
+        if WINDOWED:
             seen = seen & (qpos[:, None] - pos[None, :] < window)
         s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -158,7 +158,7 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
 @triton.jit
 def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q, stride_o,
             page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len, end, off_k, dk,
-            off_v, dv, KIND: tl.constexpr, GROUP: tl.constexpr,
+            off_v, dv, KIND: tl.constexpr, WINDOWED: tl.constexpr, GROUP: tl.constexpr,
             QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
             UPCAST: tl.constexpr):
@@ -184,7 +184,7 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, tab
     first = end - q_len + mb * QUERIES
     hi = tl.minimum(first + QUERIES, end)
     lo = first * 0
-    if window > 0:  # from the block the window's first key is in: blocks start at multiples of BLOCK_N
+    if WINDOWED:  # from the block the window's first key is in: blocks start at multiples of BLOCK_N
         lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = lo + sp * chunk
@@ -194,20 +194,20 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, tab
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)  # transposed (_step)
-    if QUERIES > 1 or window > 0:  # rows see different keys: every block masked
+    if QUERIES > 1 or WINDOWED:  # rows see different keys: every block masked (a decode compiles only the other)
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KIND, True, PAGE, NC, CH, VALUES,
+                                  stride_table, page_bytes, scale2, window, KIND, True, WINDOWED, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
     else:  # one query token, no window: it sees every key but those past the split's end, in its last block
         full = lo + (hi - lo) // BLOCK_N * BLOCK_N
         for start in range(lo, full, BLOCK_N):
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KIND, False, PAGE, NC, CH, VALUES,
+                                  stride_table, page_bytes, scale2, window, KIND, False, WINDOWED, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
         if full < hi:
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, full, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KIND, True, PAGE, NC, CH, VALUES,
+                                  stride_table, page_bytes, scale2, window, KIND, True, WINDOWED, PAGE, NC, CH, VALUES,
                                   q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -225,9 +225,9 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, tab
 @triton.jit
 def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr, kinds_ptr, layout_ptr, seq_lens_ptr,
                   starts_ptr, table_ptr, stride_q, stride_o, page_bytes, stride_table, num_kv_heads, window, scaling,
-                  KINDS: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr, PAGE: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr,
-                  CH: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  KINDS: tl.constexpr, WINDOWED: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr,
+                  PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     mb, g, sp, r, q_start, q_len = program_task(starts_ptr, NUM_SPLITS)
     if mb * QUERIES >= q_len:  # the grid covers the longest request
         return
@@ -242,7 +242,7 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
         if kind == i:
             _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q,
                     stride_o, page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len,
-                    end, off_k, dk, off_v, dv, KINDS[i], GROUP, QUERIES,
+                    end, off_k, dk, off_v, dv, KINDS[i], WINDOWED, GROUP, QUERIES,
                     PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
 
 
@@ -285,10 +285,10 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
         unit_columns(query), blocks, out, part_o, part_lse, head_table(dims.d_k, dims.d_v, query.device),
         layout.head_kinds(query.device), layout.table(query.device), seq_lens, query_start_loc, block_table,
         query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
-        scaling, KINDS=kinds, GROUP=group, QUERIES=queries, PAGE=layout.page, NUM_SPLITS=num_splits,
-        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)), BLOCK_N=_block_n(nc * ch), NC=nc, CH=ch,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS, **dot_options(_pages_kernel, query.dtype))
+        scaling, KINDS=kinds, WINDOWED=bool(sliding_window), GROUP=group, QUERIES=queries, PAGE=layout.page,
+        NUM_SPLITS=num_splits, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)),
+        BLOCK_N=_block_n(nc * ch), NC=nc, CH=ch, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
+        **dot_options(_pages_kernel, query.dtype))
     if num_splits > 1:
         _combine_kernel[(tokens, g_count * group)](
             part_o, part_lse, out, head_table(dims.d_k, dims.d_v, query.device), out.stride(0), g_count, GROUP=group,
