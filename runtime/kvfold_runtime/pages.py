@@ -24,7 +24,8 @@ Every region starts at a multiple of 16 bytes when P is a multiple of 16 (PAGE_M
 16-byte aligned. The codes, scales and bytes per token are those of the rows, so a page is P × row_bytes bytes and
 vLLM's block accounting is unchanged; only the order of the bits differs. `PageLayout` owns the mapping: the byte
 map between P rows and a page (every page byte holds bits of one token only: plane entries are whole bytes), the
-per-chunk tables the Triton kernels read (kernels/triton_pages.py), and torch conversions both ways.
+per-chunk table and the kinds of head (each chunk's width and offsets, compile-time constants) the Triton kernels
+read (kernels/triton_pages.py), and torch conversions both ways.
 """
 
 from __future__ import annotations
@@ -202,7 +203,9 @@ class PageLayout:
     def table(self, device) -> torch.Tensor:
         """int32 [2, G, TABLE_FIELDS, tile_chunks]: per side (keys, values) and KV head, each chunk's width (0: the
         head has no such chunk), each chunk's first plane's byte offset in the page (a second plane follows at
-        + P·n·p₁/8), and each scaled band's scale region's offset. Every offset is a multiple of 16 bytes."""
+        + P·n·p₁/8), and each scaled band's scale region's offset. Every offset is a multiple of 16 bytes. The
+        Triton kernels read a head's chunk-0 offset (its first plane) and take the rest from `kinds`, whose
+        offsets are this table's (tests/runtime/test_triton_pages.py checks both)."""
         return _table(self, str(torch.device(device)))
 
     def to_page(self, rows: torch.Tensor) -> torch.Tensor:
