@@ -27,7 +27,8 @@ ENGINE_IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int = 32, kv_cache_bytes: int = 8 << 20,
                block_size: int | None = None, max_model_len: int = 256, plugins: str | None = None,
                kv_cache_dtype: str = "auto", timeout: int = 600, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-               eager: bool = True, env: dict | None = None, own_processes: bool = False) -> dict:
+               eager: bool = True, env: dict | None = None, own_processes: bool = False,
+               logprobs: int | None = None) -> dict:
     """Greedy generation from vLLM, exactly `max_tokens` per prompt (EOS does not stop it; the tiny models'
     tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size"},
     {"error": last lines, "output": everything printed} when the engine failed to start or run. With several
@@ -36,13 +37,14 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
     vLLM's enforce_eager (False: compiled, as vLLM serves by default). `own_processes`: the engine core in a process
     of its own, as `vllm serve` runs it (a refusal is then the engine core's ERROR line); by default it runs in this
     one process (ENGINE_IN_PROCESS), and so does one worker; several workers have their own (spawned) processes
-    either way."""
+    either way. `logprobs`: also {"logprobs": per prompt, per generated token, {token id: log-probability}} of
+    that step's `logprobs` most likely tokens (vLLM's SamplingParams.logprobs; the chosen token is among them)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
                 "block_size": block_size, "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype,
                 "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel, "eager": eager,
-                "out": str(out)}
+                "logprobs": logprobs, "out": str(out)}
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         workers = tensor_parallel * pipeline_parallel
         if not own_processes:
@@ -54,7 +56,11 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
         done = run_module("tests.runtime.vllm_engine", [json.dumps(args)], cwd=REPO, env=env, timeout=timeout)
         output = done.stdout + done.stderr
         if done.returncode == 0 and out.exists():
-            return {**json.loads(out.read_text()), "output": output}
+            got = json.loads(out.read_text())
+            if "logprobs" in got:  # JSON made the token ids strings
+                got["logprobs"] = [[{int(t): lp for t, lp in step.items()} for step in steps]
+                                   for steps in got["logprobs"]]
+            return {**got, "output": output}
         return {"error": output.strip().splitlines()[-5:], "output": output}
 
 
@@ -68,10 +74,15 @@ def _main(args: dict) -> None:
     llm = LLM(model=args["model"], dtype="float32", enforce_eager=args["eager"], max_model_len=args["max_model_len"],
               kv_cache_memory_bytes=args["kv_cache_bytes"], kv_cache_dtype=args["kv_cache_dtype"], seed=0, **extra)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
-                        SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True), use_tqdm=False)
+                        SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True,
+                                       logprobs=args["logprobs"]), use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
-    Path(args["out"]).write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                             "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}))
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "kv_blocks": cache.num_gpu_blocks,
+              "block_size": cache.block_size}
+    if args["logprobs"]:
+        result["logprobs"] = [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                              for o in outs]
+    Path(args["out"]).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
