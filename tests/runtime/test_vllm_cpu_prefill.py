@@ -23,14 +23,16 @@ def prefill():
 
 @pytest.mark.parametrize(("s", "t", "dtype", "tol"), [(300, 300, torch.float32, 1e-5), (300, 37, torch.float32, 1e-5),
                                                       (130, 130, torch.bfloat16, 2e-2), (257, 9, torch.bfloat16, 2e-2)])
-def test_equals_sdpa_at_uneven_widths(prefill, s, t, dtype, tol):
+@pytest.mark.parametrize(("d_k", "d_v"), [(D_K, D_V), ([64] * 3, [64] * 3)], ids=["uneven", "every head at 64"])
+def test_equals_sdpa_at_uneven_widths(prefill, s, t, dtype, tol, d_k, d_v):
+    """Uneven widths pad each head to one width; heads all at that width are read in place (no copy)."""
     g = torch.Generator().manual_seed(s + t)
-    q = torch.randn(t, GROUP * sum(D_K), generator=g).to(dtype)
-    k = torch.randn(s, sum(D_K), generator=g).to(dtype)
-    v = torch.randn(s, sum(D_V), generator=g).to(dtype)
-    got = prefill(q, k, v, D_K, D_V, GROUP, scaling=0.15)
-    assert got.shape == (t, GROUP * sum(D_V)) and got.dtype == dtype
-    want = sdpa_attention(q[None].float(), k[None].float(), v[None].float(), D_K, D_V, GROUP, scaling=0.15)[0]
+    q = torch.randn(t, GROUP * sum(d_k), generator=g).to(dtype)
+    k = torch.randn(s, sum(d_k), generator=g).to(dtype)
+    v = torch.randn(s, sum(d_v), generator=g).to(dtype)
+    got = prefill(q, k, v, d_k, d_v, GROUP, scaling=0.15)
+    assert got.shape == (t, GROUP * sum(d_v)) and got.dtype == dtype
+    want = sdpa_attention(q[None].float(), k[None].float(), v[None].float(), d_k, d_v, GROUP, scaling=0.15)[0]
     assert (got.float() - want).abs().max() <= tol * (1 + want.abs().max())
 
 

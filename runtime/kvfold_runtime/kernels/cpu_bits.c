@@ -197,6 +197,66 @@ static double band_error(const float *v, int n, float scale, float half, float t
     return (e[0] + e[1]) + (e[2] + e[3]);
 }
 
+/* m codes of `bits` bits each, packed as a little-endian bit stream from dst on; returns where its next byte goes.
+ * Whole bytes at a time where the width allows (8 bits: a byte a code; 4 and 2 bits: two and four codes a byte),
+ * else through a 64-bit accumulator, four bytes out at once; a partial last byte's high bits are zero. A band of
+ * over 256 dims is packed 256 codes a call: 256 codes of any width fill whole bytes. */
+static uint8_t *pack_codes(const uint8_t *q, int m, int bits, uint8_t *dst) {
+    if (bits == 8) {
+        memcpy(dst, q, (size_t)m);
+        return dst + m;
+    }
+    if (bits == 4) {
+        int i = 0;
+        for (; i + 2 <= m; i += 2) *dst++ = (uint8_t)(q[i] | q[i + 1] << 4);
+        if (i < m) *dst++ = q[i];
+        return dst;
+    }
+    if (bits == 2) {
+        int i = 0;
+        for (; i + 4 <= m; i += 4) *dst++ = (uint8_t)(q[i] | q[i + 1] << 2 | q[i + 2] << 4 | q[i + 3] << 6);
+        if (i < m) {
+            uint8_t b = 0;
+            for (int j = 0; i + j < m; j++) b |= (uint8_t)(q[i + j] << 2 * j);
+            *dst++ = b;
+        }
+        return dst;
+    }
+    uint64_t acc = 0;
+    int filled = 0;
+    for (int i = 0; i < m; i++) {
+        acc |= (uint64_t)q[i] << filled;
+        filled += bits;
+        if (filled >= 32) { /* four whole bytes out at once */
+            for (int j = 0; j < 4; j++) *dst++ = (uint8_t)(acc >> 8 * j);
+            acc >>= 32, filled -= 32;
+        }
+    }
+    for (; filled > 0; filled -= 8, acc >>= 8) *dst++ = (uint8_t)acc; /* the last byte's high bits zero */
+    return dst;
+}
+
+/* The first of the 256 log8 table scales ≥ ideal (torch.bucketize), at most the last. The table holds 2^((c −
+ * 128)/8), exactly 2^e at c = 128 + 8e, so an ideal in [2^e, 2^(e+1)) lies among the 8 scales from there: its
+ * index is that c plus how many of them are below it (8 compares, no unpredictable branch). Ideals outside the
+ * table's octaves take the binary search. */
+static inline int first_scale_at_least(const float *log8, float ideal) {
+    uint32_t w;
+    memcpy(&w, &ideal, 4);
+    int c = 128 + 8 * ((int)((w >> 23) & 0xff) - 127);
+    if (c >= 0 && c + 8 <= 255) {
+        int below = 0;
+        for (int k = 0; k < 8; k++) below += log8[c + k] < ideal;
+        return c + below;
+    }
+    int lo = 0, hi = 256;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (log8[mid] < ideal) lo = mid + 1; else hi = mid;
+    }
+    return lo > 255 ? 255 : lo;
+}
+
 /* One row's segments into its bytes: bands.quantize's bytes exactly. A quantized band's covering scale is the
  * smallest stored scale ≥ absmax / (2^(b−1) − ½) (a log8 byte: the first of the 256 table scales not below it; a
  * float16: rounded, then one step up if below); a log8 band then takes, of it and the fit_steps bytes below it,
@@ -217,18 +277,23 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
             }
             continue;
         }
-        float amax = 0.0f;
-        for (int i = 0; i < n; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        /* |x| max as integers (a vector loop; floats' ?: max is not one): a non-negative float orders as its bits;
+         * a NaN counts as 0, as the float compare ignored it */
+        uint32_t top_bits = 0;
+        for (int i = 0; i < n; i++) {
+            uint32_t w;
+            memcpy(&w, v + i, 4);
+            w &= 0x7fffffffu;
+            w = w > 0x7f800000u ? 0u : w;
+            top_bits = w > top_bits ? w : top_bits;
+        }
+        float amax;
+        memcpy(&amax, &top_bits, 4);
         float ideal = amax / ((float)(1 << (bits - 1)) - 0.5f), scale;
         ideal = ideal < 1e-30f ? 1e-30f : ideal;
         const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
         if (kind == 1) {
-            int lo = 0, hi = 256; /* the first table scale ≥ ideal (torch.bucketize), at most the last */
-            while (lo < hi) {
-                int mid = (lo + hi) / 2;
-                if (log8[mid] < ideal) lo = mid + 1; else hi = mid;
-            }
-            lo = lo > 255 ? 255 : lo;
+            int lo = first_scale_at_least(log8, ideal);
             double best = band_error(v, n, log8[lo], half, top);
             int fitted = lo;
             for (int c = lo - 1; c >= 0 && c >= lo - fit_steps; c--) {
@@ -243,16 +308,15 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
             row[scale_at] = (uint8_t)h, row[scale_at + 1] = (uint8_t)(h >> 8);
             scale = half_to_float(h);
         }
-        uint64_t acc = 0;
-        int filled = 0;
-        for (int i = 0; i < n; i++) {
-            float q = floorf(v[i] / scale + half);
-            q = q < 0.0f ? 0.0f : (q > top ? top : q);
-            acc |= (uint64_t)(uint32_t)q << filled;
-            filled += bits;
-            for (; filled >= 8; filled -= 8, acc >>= 8) *dst++ = (uint8_t)acc;
+        for (int at = 0; at < n; at += 256) { /* the codes first (a vector loop), then packed: any head_dim */
+            int m = n - at < 256 ? n - at : 256;
+            uint8_t q[256];
+            for (int i = 0; i < m; i++) {
+                float c = floorf(v[at + i] / scale + half);
+                q[i] = (uint8_t)(c < 0.0f ? 0.0f : (c > top ? top : c));
+            }
+            dst = pack_codes(q, m, bits, dst);
         }
-        if (filled > 0) *dst = (uint8_t)acc; /* the band's last byte, its high bits zero */
     }
 }
 

@@ -67,11 +67,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: li
         query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts, seq_lens=lens,
         scale=scaling, causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    if all(w == h for w in d_v):  # every head at the padded width: the output is already packed
+        return out.view(t, heads * group * h)
     return torch.cat([out[:, g * group:(g + 1) * group, :w].reshape(t, group * w) for g, w in enumerate(d_v)], -1)
 
 
 def _heads(x: torch.Tensor, widths: list[int], h: int) -> torch.Tensor:
-    """[N, Σ widths] -> [N, heads, h], each head zero-padded to h."""
+    """[N, Σ widths] -> [N, heads, h], each head zero-padded to h (a view where every head is h wide)."""
+    if all(w == h for w in widths) and x.stride(-1) == 1:
+        return x.view(x.shape[0], len(widths), h) if x.is_contiguous() else x.reshape(x.shape[0], len(widths), h)
     out = x.new_zeros(x.shape[0], len(widths), h)
     at = 0
     for g, w in enumerate(widths):
