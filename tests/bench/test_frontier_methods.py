@@ -12,7 +12,7 @@ import torch
 from kvfold.errors import KVFoldError
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
-from kvfold.hooks import AttentionPatch
+from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.evaluate import _patch
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold_bench.frontier.methods import METHODS, get_methods
@@ -302,3 +302,72 @@ def test_long_context_scoring_counts_positions_from_score_from(setup):
     assert again.kl == pytest.approx(0.0, abs=1e-9) and again.top1 == late.top1
     with pytest.raises(ValueError, match="longer than"):
         score_model(setup.model, setup.windows, setup.batch, start=setup.context)
+
+
+def test_oscar_is_its_authors_int2_in_attention_aware_bases(setup):
+    """OSCAR (methods/oscar.py): per layer, R_K = eigenvectors of the queries' mean q qᵀ times the Hadamard, R_V
+    the same of the values' covariance weighted by each token's mean squared logit (recomputed here from the raw
+    q, k, v of the calibration windows); keys and values rounded in those bases by the clipped asymmetric INT2
+    (a row's codes on 4 levels, the largest |x| clipped), rotated back; the first 64 and last 256 tokens whole;
+    bytes 2 bits a number + 32 per token and head."""
+    from kvfold_bench.frontier.methods.oscar import CLIP_K, CLIP_V, OscarInt2, int2_roundtrip, rotations
+    from kvfold_bench.frontier.methods.recent import fraction_at
+    from kvfold_bench.frontier.methods.turboquant import hadamard
+
+    d = setup.model.config.head_dim
+    # the rounding: 4 levels per row, |x| clipped at its ⌊r·d⌋-th smallest, every value within half a step
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, d) * torch.logspace(-1, 1, d)
+    y = int2_roundtrip(x, CLIP_K)
+    assert all(len(row.unique()) <= 4 for row in y.view(-1, d))
+    thr = x.abs().sort(-1).values[..., int(CLIP_K * d), None]
+    clipped = x.clamp(-thr, thr)
+    step = (clipped.amax(-1, keepdim=True) - clipped.amin(-1, keepdim=True)) / 3
+    assert torch.all((y - clipped).abs() <= step * 0.5 * 1.01)
+    # the rotations, from q, k, v captured at every layer
+    got = {}
+
+    def capture(i):
+        def before(q, k, v):
+            got.setdefault(i, []).append((q.double(), k.double(), v.double()))
+            return q, k, v
+        return AttentionPatch(before=before)
+
+    layers = len(setup.adapter.attention_modules(setup.model))
+    with torch.inference_mode(), patched(setup.model, setup.adapter, {i: capture(i) for i in range(layers)}):
+        for ids in setup.calib_sequences().ids:
+            setup.model(ids[None])
+    h = hadamard(d).double()
+    for i, (r_k, r_v) in enumerate(rotations(setup)):
+        q = torch.cat([a for a, _, _ in got[i]], 2)  # [1, H, T, d]
+        k = torch.cat([b for _, b, _ in got[i]], 2)
+        v = torch.cat([c for _, _, c in got[i]], 2)
+        h_kv = k.shape[1]
+        groups = q[0].unflatten(0, (h_kv, -1))  # [H_kv, group, T, d]
+        c_q = torch.einsum("hgtd,hgte->de", groups, groups) / (groups.shape[1] * groups.shape[2] * h_kv)
+        c_s = 0
+        for g in range(h_kv):
+            own = groups[g].flatten(0, 1)
+            w = torch.einsum("td,de,te->t", k[0, g], own.T @ own / own.shape[0], k[0, g])
+            w = w / w.mean()
+            c_s = c_s + (w[:, None] * v[0, g]).T @ v[0, g] / (w.shape[0] * h_kv)
+        for r, c in ((r_k, c_q), (r_v, c_s)):
+            assert torch.allclose(r.double() @ r.double().T, torch.eye(d, dtype=torch.float64), atol=1e-5)
+            u = r.double() @ h  # H is its own inverse: the eigenvectors, ascending
+            lam = torch.linalg.eigvalsh(c)
+            assert torch.allclose(u.T @ c @ u, torch.diag(lam), atol=1e-6 * float(lam.abs().max()))
+    (cand,) = METHODS["oscar"].candidates(setup)
+    assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
+    assert cand.kv_fraction_32k == pytest.approx(fraction_at(32768, 64, 256, (2 * d + 32) / (16 * d)))
+    r_k, r_v = rotations(setup)[0]
+    patch = cand.patches[0]
+    assert patch.exact == (64, 256)
+    _, k0, v0 = got[0][0]
+    _, k1, v1 = patch.before(None, k0.float(), v0.float())
+    assert torch.allclose(k1, int2_roundtrip(k0.float() @ r_k, CLIP_K) @ r_k.T, atol=1e-5)
+    assert torch.allclose(v1, int2_roundtrip(v0.float() @ r_v, CLIP_V) @ r_v.T, atol=1e-5)
+    # at the tiny model's 512-token windows, only tokens over 320 back are rounded: between the original and INT2
+    ref = frontier_logits(setup)
+    (alone,) = OscarInt2().candidates(setup)
+    err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
+    assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()

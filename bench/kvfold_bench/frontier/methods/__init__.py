@@ -13,6 +13,7 @@ from .base import Candidate, Method
 from .bits import KVFoldBits
 from .fp8 import Fp8
 from .kvfold import KVFold
+from .oscar import Oscar
 from .palu import Palu
 from .quant import IntPerToken, Kivi
 from .recent import Recent
@@ -60,13 +61,15 @@ _ALL: list[Method] = [
     TurboQuant("turboquant_4bit_nc"),
     TurboQuant("turboquant_k3v4_nc"),
     TurboQuant("turboquant_3bit_nc"),
+    # the newest 2-bit caches (issue 51): OSCAR as its authors publish it, its sink and recent tokens whole
+    Oscar(),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)  # fixed here: methods registered later run only when named
 # On further models (the MHA variant: GQA vs MHA) kvfold against each peer, without the ablations.
 PEERS = ("kvfold", "zack", "uniform", "palu", "think", "fp8", "kvfold+fp8", "kvfold-bits", "int8", "int4", "kivi4",
          "kivi2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "turboquant_k8v4",
-         "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+         "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "oscar")
 
 
 ALIASES = {"fdc": "zack"}  # the papers' method goes by either paper's name
