@@ -338,11 +338,12 @@ def test_oscar_is_its_authors_int2_in_attention_aware_bases(setup):
         for ids in setup.calib_sequences().ids:
             setup.model(ids[None])
     h = hadamard(d).double()
-    for i, (r_k, r_v) in enumerate(rotations(setup)):
+    for i, (r_k, r_v, mean) in enumerate(rotations(setup)):
         q = torch.cat([a for a, _, _ in got[i]], 2)  # [1, H, T, d]
         k = torch.cat([b for _, b, _ in got[i]], 2)
         v = torch.cat([c for _, _, c in got[i]], 2)
         h_kv = k.shape[1]
+        assert torch.allclose(mean.double(), k[0].mean(1), atol=1e-5)
         groups = q[0].unflatten(0, (h_kv, -1))  # [H_kv, group, T, d]
         c_q = torch.einsum("hgtd,hgte->de", groups, groups) / (groups.shape[1] * groups.shape[2] * h_kv)
         c_s = 0
@@ -359,13 +360,19 @@ def test_oscar_is_its_authors_int2_in_attention_aware_bases(setup):
     (cand,) = METHODS["oscar"].candidates(setup)
     assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
     assert cand.kv_fraction_32k == pytest.approx(fraction_at(32768, 64, 256, (2 * d + 32) / (16 * d)))
-    r_k, r_v = rotations(setup)[0]
+    r_k, r_v, mean = rotations(setup)[0]
     patch = cand.patches[0]
     assert patch.exact == (64, 256)
     _, k0, v0 = got[0][0]
     _, k1, v1 = patch.before(None, k0.float(), v0.float())
     assert torch.allclose(k1, int2_roundtrip(k0.float() @ r_k, CLIP_K) @ r_k.T, atol=1e-5)
     assert torch.allclose(v1, int2_roundtrip(v0.float() @ r_v, CLIP_V) @ r_v.T, atol=1e-5)
+    # the diagnostic variant: keys less their calibration mean, rounded, the mean added back; values as OSCAR's
+    (shifted,) = METHODS["oscar-shifted"].candidates(setup)
+    _, k2, v2 = shifted.patches[0].before(None, k0.float(), v0.float())
+    mu = mean[None, :, None, :]
+    assert torch.allclose(k2, int2_roundtrip((k0.float() - mu) @ r_k, CLIP_K) @ r_k.T + mu, atol=1e-5)
+    assert torch.equal(v2, v1) and shifted.kv_fraction == cand.kv_fraction
     # at the tiny model's 512-token windows, only tokens over 320 back are rounded: between the original and INT2
     ref = frontier_logits(setup)
     (alone,) = OscarInt2().candidates(setup)

@@ -63,6 +63,7 @@ _ALL: list[Method] = [
     TurboQuant("turboquant_3bit_nc"),
     # the newest 2-bit caches (issue 51): OSCAR as its authors publish it, its sink and recent tokens whole
     Oscar(),
+    Oscar(name="oscar-shifted", label="OSCAR, keys less their calibration mean (kvfold's key shift)", shift=True),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)  # fixed here: methods registered later run only when named

@@ -72,18 +72,23 @@ def _each_layer(setup, capture) -> None:
             setup.model(ids[None].to(device))
 
 
-def covariances(setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (C_Q, C_S), float64 [d, d] (the module docstring): two passes, as w_t needs the whole C_Q^(g)."""
+def covariances(setup) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer (C_Q, C_S) float64 [d, d] (the module docstring), and the keys' mean per KV head [H_kv, d] (for
+    the shifted variant): two passes, as w_t needs the whole C_Q^(g)."""
     layers = len(setup.adapter.attention_modules(setup.model))
     group_q: list = [None] * layers  # per KV head, Σ q qᵀ over its query heads and the tokens [H_kv, d, d]
+    key_sum: list = [None] * layers  # per KV head, Σ k
     rows = [0] * layers  # tokens × query heads per KV head
+    tokens = [0] * layers
 
     def queries(i, q, k, v):
         h_kv = k.shape[1]
         g = q.unflatten(1, (h_kv, -1))  # [B, H_kv, group, T, d]
-        s = torch.einsum("bhgtd,bhgte->hde", g, g)
+        s, ks = torch.einsum("bhgtd,bhgte->hde", g, g), k.sum((0, 2))
         group_q[i] = s if group_q[i] is None else group_q[i] + s
+        key_sum[i] = ks if key_sum[i] is None else key_sum[i] + ks
         rows[i] += g.shape[0] * g.shape[2] * g.shape[3]
+        tokens[i] += k.shape[0] * k.shape[2]
 
     _each_layer(setup, queries)
     c_q = [s / n for s, n in zip(group_q, rows, strict=True)]  # C_Q^(g) per KV head
@@ -97,34 +102,46 @@ def covariances(setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
         weights[i] = w.sum((0, 2)) if weights[i] is None else weights[i] + w.sum((0, 2))
 
     _each_layer(setup, values)
-    return [(cq.mean(0), (s / w[:, None, None]).mean(0)) for cq, s, w in zip(c_q, weighted, weights, strict=True)]
+    return [(cq.mean(0), (s / w[:, None, None]).mean(0), ks / n)
+            for cq, s, w, ks, n in zip(c_q, weighted, weights, key_sum, tokens, strict=True)]
 
 
-def rotations(setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (R_K, R_V), float32 [d, d]: each covariance's eigenvectors (ascending) times the Hadamard."""
+def rotations(setup) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer (R_K, R_V) float32 [d, d], each covariance's eigenvectors (ascending) times the Hadamard, and the
+    keys' calibration mean [H_kv, d] float32."""
     h = hadamard(head_dim(setup.model.config)).double()
-    return [tuple((torch.linalg.eigh((c + c.T) / 2).eigenvectors @ h).float() for c in pair)
-            for pair in covariances(setup)]
+
+    def rotation(c: torch.Tensor) -> torch.Tensor:
+        return (torch.linalg.eigh((c + c.T) / 2).eigenvectors @ h).float()
+
+    return [(rotation(c_q), rotation(c_s), mean.float()) for c_q, c_s, mean in covariances(setup)]
 
 
-def _patch(r_k: torch.Tensor, r_v: torch.Tensor) -> AttentionPatch:
+def _patch(r_k: torch.Tensor, r_v: torch.Tensor, shift: torch.Tensor | None) -> AttentionPatch:
+    """Keys (less `shift` [H_kv, d], added back after) and values rounded in their rotated bases, rotated back."""
     def before(q, k, v):
         rk, rv = r_k.to(k.device, k.dtype), r_v.to(v.device, v.dtype)
-        return q, int2_roundtrip(k @ rk, CLIP_K) @ rk.T, int2_roundtrip(v @ rv, CLIP_V) @ rv.T
+        mu = 0 if shift is None else shift.to(k.device, k.dtype)[None, :, None, :]
+        return q, int2_roundtrip((k - mu) @ rk, CLIP_K) @ rk.T + mu, int2_roundtrip(v @ rv, CLIP_V) @ rv.T
     return AttentionPatch(before=before)
 
 
 @dataclass(frozen=True)
 class OscarInt2:
-    """OSCAR's rotated INT2 cache alone, every token rounded (Oscar adds its whole tokens)."""
+    """OSCAR's rotated INT2 cache alone, every token rounded (Oscar adds its whole tokens). `shift`: the keys less
+    their calibration mean before rounding, as kvfold's key shift does (not OSCAR's: a diagnostic of models whose
+    keys share a large common part, e.g. Qwen2.5's key biases). Attention is unchanged by it: q·μ is the same for
+    every key of a query."""
     name: str = "oscar-int2"
     label: str = "OSCAR INT2, no whole tokens"
     knob: str = "none"
     origin: str | None = None
+    shift: bool = False
 
     def candidates(self, setup) -> Iterator[Candidate]:
         d = head_dim(setup.model.config)
-        patches = {i: _patch(r_k, r_v) for i, (r_k, r_v) in enumerate(setup.once("oscar", lambda: rotations(setup)))}
+        layers = setup.once("oscar", lambda: rotations(setup))
+        patches = {i: _patch(r_k, r_v, mean if self.shift else None) for i, (r_k, r_v, mean) in enumerate(layers)}
         yield Candidate(2.0, (2 * d + 32) / (16 * d), patches)  # per number: 2 bits, and 32 per token and head
 
 
@@ -134,6 +151,7 @@ class Oscar:
     label: str = f"OSCAR (INT2, first {SINKS} + last {WINDOW} tokens whole)"
     knob: str = "none"
     origin: str | None = None
+    shift: bool = False  # OscarInt2.shift (not OSCAR's own: a diagnostic)
 
     def candidates(self, setup) -> Iterator[Candidate]:
-        return Recent(OscarInt2(), SINKS, WINDOW).candidates(setup)
+        return Recent(OscarInt2(shift=self.shift), SINKS, WINDOW).candidates(setup)
