@@ -74,8 +74,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: li
 
 def _heads(x: torch.Tensor, widths: list[int], h: int) -> torch.Tensor:
     """[N, Σ widths] -> [N, heads, h], each head zero-padded to h (a view where every head is h wide)."""
-    if all(w == h for w in widths) and x.stride(-1) == 1:
-        return x.view(x.shape[0], len(widths), h) if x.is_contiguous() else x.reshape(x.shape[0], len(widths), h)
+    if all(w == h for w in widths):
+        return x.reshape(x.shape[0], len(widths), h).contiguous()
     out = x.new_zeros(x.shape[0], len(widths), h)
     at = 0
     for g, w in enumerate(widths):
