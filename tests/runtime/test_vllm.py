@@ -32,11 +32,7 @@ def _prompts(n=5, seed=0):
 def hf_greedy(path, prompts, max_tokens):
     """The transformers runtime's greedy continuation of each prompt, `max_tokens` long (no EOS stop, as
     run_engine asks of vLLM)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
+    return hf_greedy_logits(path, prompts, max_tokens)[0]
 
 
 def first_divergence(a, b):
@@ -59,7 +55,8 @@ BITS_TIE = 0.5  # logits
 
 
 def hf_greedy_logits(path, prompts, max_tokens) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """hf_greedy's tokens, and each prompt's logits at every generated step ([max_tokens, vocab], float32)."""
+    """hf_greedy's tokens, and each prompt's logits at every generated step ([max_tokens, vocab], float32): read
+    where the transformers runtime chose, not from another pass over the same tokens (the comment above)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     tokens, logits = [], []
