@@ -205,6 +205,17 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     # at head_dim 16 a head aligned to 16 holds one width; at 5.5 bits per number the unaligned plan splits some head
     (split,), (whole,) = (replace(m, grid=(5.5,)).candidates(setup) for m in (unaligned, replace(bits, align=16)))
     assert split.kv_fraction != whole.kv_fraction
+    # the K/V split variants: only θ_v / θ_k differs; at the same mean bits, more θ_v / θ_k, more key bits
+    keys4, values4 = METHODS["kvfold-bits-keys4"], METHODS["kvfold-bits-values4"]
+    assert (keys4.v_scale, values4.v_scale) == (4 * V_SCALE, V_SCALE / 4)
+    assert replace(keys4, name=bits.name, label=bits.label, v_scale=V_SCALE) == bits
+
+    def key_bits(v_scale: float) -> float:
+        theta = theta_for_mean_bits(bases, 4.0, BitRule(1, 1).widths, v_scale, align=8)
+        plan = plan_bits(bases, BitRule(theta, v_scale * theta, align=8))
+        return sum(b for layer in plan.k_bits for head in layer for b in head)
+
+    assert key_bits(V_SCALE / 4) <= key_bits(V_SCALE) < key_bits(4 * V_SCALE)  # the tiny model: keys floor at 4 bits
     # the per-head variant: the same budget with the rounding probes' multipliers (plan/rounding.py)
     scales = setup.head_scales()
     (per_head,) = replace(METHODS["kvfold-bits-heads"], grid=(4.0,)).candidates(setup)

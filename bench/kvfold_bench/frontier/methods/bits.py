@@ -7,7 +7,8 @@ water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: 
 The variant
 kvfold-bits-heads plans with the per-head multipliers of the bits format's sensitivity allocation (plan/rounding.py,
 measured once per model: setup.head_scales); kvfold-bits-unaligned with bands anywhere (align 1: export
---band-align 1, the allocation before issue 50), to measure what the alignment costs. Bytes are the real per-token
+--band-align 1, the allocation before issue 50), to measure what the alignment costs; kvfold-bits-keys4 and
+-values4 move the K/V split (θ_v = 4·V_SCALE·θ_k or V_SCALE/4·θ_k: more of the bytes on keys, or on values). Bytes are the real per-token
 row bytes (codes + scales) of every head.
 
 Another coder of the same plans and bytes is a subclass overriding `coder` (research/frontier_limit.py: an ideal
@@ -39,6 +40,7 @@ class KVFoldBits:
     allocation: str = "eq6"  # one θ for every head (export's default), or "sensitivity": per-head θ
     align: int | None = None  # bands start and end on multiples of this many dims (--band-align; None: export's
     # default for the model's head_dim); 1: anywhere
+    v_scale: float = V_SCALE  # θ_v / θ_k: export's K/V split by default; larger, more of the bytes on keys
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
@@ -47,9 +49,8 @@ class KVFoldBits:
         heads = dict(head_k=scales.k, head_v=scales.v) if scales else {}
         align = self.align or band_align_for(head_dim(setup.model.config))
         for bits in self.grid:
-            # export's default K/V split
-            theta = theta_for_mean_bits(bases, bits, widths, V_SCALE, **heads, align=align)
-            plan = plan_bits(bases, BitRule(theta, V_SCALE * theta, widths, **heads, align=align))
+            theta = theta_for_mean_bits(bases, bits, widths, self.v_scale, **heads, align=align)
+            plan = plan_bits(bases, BitRule(theta, self.v_scale * theta, widths, **heads, align=align))
             yield Candidate(bits, 1.0 - plan.compression,
                             bit_patches(bases, plan, setup.dtype, coder=self.coder()))
 
