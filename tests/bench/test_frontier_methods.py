@@ -389,3 +389,33 @@ def test_oscar_is_its_authors_int2_in_attention_aware_bases(setup):
     (alone,) = OscarInt2().candidates(setup)
     err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
     assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
+
+
+def test_kvfold_int2_is_oscars_int2_in_kvfolds_bases(setup):
+    """kvfold-int2 (methods/int2.py): each token's keys less kvfold's key shift, in kvfold's key basis B_g, then the
+    Hadamard, rounded by OSCAR's INT2 and mapped back by H and B_g⁻¹; values alike in A_v; OSCAR's whole tokens and
+    bytes."""
+    from kvfold_bench.frontier.methods.oscar import CLIP_K, CLIP_V, int2_roundtrip
+    from kvfold_bench.frontier.methods.recent import fraction_at
+    from kvfold_bench.frontier.methods.turboquant import hadamard
+
+    d = setup.model.config.head_dim
+    (cand,) = METHODS["kvfold-int2"].candidates(setup)
+    assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
+    basis = setup.bases("aware", "text")[1]
+    patch = cand.patches[1]
+    assert patch.exact == (64, 256)
+    torch.manual_seed(0)
+    h_kv = basis.qk_b.shape[0]
+    k, v = torch.randn(1, h_kv, 7, d) * 3, torch.randn(1, h_kv, 7, d)
+    _, k1, v1 = patch.before(None, k, v)
+    h, b, a = hadamard(d).double(), basis.qk_b.double(), basis.v_a.double()
+    mu = (basis.k_mean if basis.k_mean is not None else torch.zeros(h_kv, d)).double()
+    for g in range(h_kv):
+        y = int2_roundtrip((k[0, g].double() - mu[g]) @ b[g] @ h, CLIP_K)
+        assert torch.allclose(k1[0, g].double(), y @ h @ torch.linalg.inv(b[g]) + mu[g], atol=1e-4)
+        y = int2_roundtrip(v[0, g].double() @ a[g] @ h, CLIP_V)
+        assert torch.allclose(v1[0, g].double(), y @ h @ torch.linalg.inv(a[g]), atol=1e-4)
+    # the rounding is real: the rounded keys differ from the originals, and the model's logits move
+    assert not torch.allclose(k1, k, atol=1e-2)
+    assert (frontier_logits(setup, cand.patches) - frontier_logits(setup)).abs().mean() > 0

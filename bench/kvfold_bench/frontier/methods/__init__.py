@@ -12,6 +12,7 @@ from kvfold.errors import KVFoldError
 from .base import Candidate, Method
 from .bits import KVFoldBits
 from .fp8 import Fp8
+from .int2 import KVFoldInt2
 from .kvfold import KVFold
 from .oscar import Oscar
 from .palu import Palu
@@ -68,6 +69,7 @@ _ALL: list[Method] = [
     # the newest 2-bit caches (issue 51): OSCAR as its authors publish it, its sink and recent tokens whole
     Oscar(),
     Oscar(name="oscar-shifted", label="OSCAR, keys less their calibration mean (kvfold's key shift)", shift=True),
+    KVFoldInt2(),  # OSCAR's quantizer and whole tokens in kvfold's bases (a diagnostic: which part makes OSCAR cheap)
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)  # fixed here: methods registered later run only when named

@@ -8,8 +8,8 @@ The variant
 kvfold-bits-heads plans with the per-head multipliers of the bits format's sensitivity allocation (plan/rounding.py,
 measured once per model: setup.head_scales); kvfold-bits-unaligned with bands anywhere (align 1: export
 --band-align 1, the allocation before issue 50), to measure what the alignment costs; kvfold-bits-keys4 and
--values4 move the K/V split (θ_v = 4·V_SCALE·θ_k or V_SCALE/4·θ_k: more of the bytes on keys, or on values). Bytes are the real per-token
-row bytes (codes + scales) of every head.
+-values4 move the K/V split (θ_v = 4·V_SCALE·θ_k or V_SCALE/4·θ_k: more of the bytes on keys, or on values).
+Bytes are the real per-token row bytes (codes + scales) of every head.
 
 Another coder of the same plans and bytes is a subclass overriding `coder` (research/frontier_limit.py: an ideal
 coder's error, the references kvfold-bits-limit and kvfold-bits-limit+2dB of issue 25).

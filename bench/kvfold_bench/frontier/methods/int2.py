@@ -1,0 +1,78 @@
+"""kvfold-int2: OSCAR's quantizer in kvfold's own bases (issue 51: which part of OSCAR's cache makes it cheap).
+
+OSCAR (methods/oscar.py) rounds each token's whole head to clipped asymmetric INT2 after a per-layer rotation R = U·H
+(eigenvectors of an attention-aware covariance, then a Hadamard), and keeps its first 64 and last 256 tokens whole.
+After the Hadamard a token's rounding error is about the same on every coordinate, so what the rotation before it
+decides is which space that even error lives in. Here it lives in kvfold's:
+- keys: k' = (k − μ_g)·B_g, kvfold's post-RoPE key basis with its key shift (factors/aware.py), in which a score is
+  q'·k' with E[q'_j²] = E[k'_j²] = σ_j — an even error in k' costs Σσ_j, against the original basis' tr(C_q)·tr(C_k)/d
+  share, never less by Cauchy–Schwarz; then H, INT2, H, and back by B_g⁻¹;
+- values: v' = v·A_v (kvfold's value basis), then H, INT2, H, A_v⁻¹.
+Every other choice is OSCAR's (int2_roundtrip, its clipping ratios, 64 + 256 whole tokens), and so are the bytes:
+2 bits a number and 32 per token and head. A diagnostic on the frontier, not a cache kvfold exports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvfold.hooks import AttentionPatch
+from kvfold_runtime import head_dim
+
+from .base import Candidate
+from .oscar import CLIP_K, CLIP_V, SINKS, WINDOW, int2_roundtrip
+from .recent import Recent
+from .turboquant import hadamard
+
+__all__ = ["KVFoldInt2"]
+
+
+def _patch(b: torch.Tensor, mu: torch.Tensor, a_v: torch.Tensor, h: torch.Tensor) -> AttentionPatch:
+    """Keys and values rounded as the module docstring says; b, a_v [H_kv, d, d], mu [H_kv, d], h [d, d]."""
+    to_k, from_k = b @ h, torch.linalg.inv(b.double()).float()  # x·B·H, and back: y·H·B⁻¹ (H is its own inverse)
+    to_v, from_v = a_v @ h, torch.linalg.inv(a_v.double()).float()
+    from_k, from_v = h @ from_k, h @ from_v
+
+    def before(q, k, v):
+        def through(x, to, back, clip):
+            x32 = x.float()
+            y = torch.einsum("bgtd,gde->bgte", x32, to.to(x.device))
+            return torch.einsum("bgte,ged->bgtd", int2_roundtrip(y, clip), back.to(x.device))
+
+        m = mu.to(k.device)[None, :, None, :]
+        k_hat = through(k.float() - m, to_k, from_k, CLIP_K) + m
+        return q, k_hat.to(k.dtype), through(v, to_v, from_v, CLIP_V).to(v.dtype)
+
+    return AttentionPatch(before=before)
+
+
+@dataclass(frozen=True)
+class _Int2:
+    """Every token rounded (KVFoldInt2 adds the whole tokens)."""
+    name: str = "kvfold-int2-all"
+    label: str = "kvfold's bases, Hadamard, OSCAR's INT2"
+    knob: str = "none"
+    origin: str | None = None
+
+    def candidates(self, setup) -> Iterator[Candidate]:
+        d = head_dim(setup.model.config)
+        h = hadamard(d)
+        patches = {}
+        for i, basis in enumerate(setup.bases("aware", "text")):
+            mu = basis.k_mean if basis.k_mean is not None else torch.zeros(basis.qk_b.shape[:2])
+            patches[i] = _patch(basis.qk_b.float(), mu.float(), basis.v_a.float(), h)
+        yield Candidate(2.0, (2 * d + 32) / (16 * d), patches)  # OSCAR's bytes
+
+
+@dataclass(frozen=True)
+class KVFoldInt2:
+    name: str = "kvfold-int2"
+    label: str = f"kvfold's bases + OSCAR's INT2 (first {SINKS} + last {WINDOW} tokens whole)"
+    knob: str = "none"
+    origin: str | None = None
+
+    def candidates(self, setup) -> Iterator[Candidate]:
+        return Recent(_Int2(), SINKS, WINDOW).candidates(setup)
