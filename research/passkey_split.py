@@ -17,13 +17,13 @@ import math
 import tempfile
 from pathlib import Path
 
-from bench.kvfold_bench.frontier.setup import Setup
 from kvfold.hooks import patched
 from kvfold.measure.passkey import Answers, passkey_answers
 from kvfold.measure.stored import banded
 from kvfold.plan.bits import V_SCALE, BitRule, plan_bits
 from kvfold.plan.longrange import NUDGES, judge
 from kvfold.plan.targets import bit_patches
+from kvfold_bench.frontier.setup import Setup
 
 # name -> (alignment, θ_v / θ_k)
 PLANS = {"default": (8, V_SCALE), "unaligned": (1, V_SCALE), "keys4": (8, 4 * V_SCALE),
