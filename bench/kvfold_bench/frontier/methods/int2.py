@@ -5,11 +5,13 @@ OSCAR (methods/oscar.py) rounds each token's whole head to clipped asymmetric IN
 After the Hadamard a token's rounding error is about the same on every coordinate, so what the rotation before it
 decides is which space that even error lives in. Here it lives in kvfold's:
 - keys: k' = (k − μ_g)·B_g, kvfold's post-RoPE key basis with its key shift (factors/aware.py), in which a score is
-  q'·k' with E[q'_j²] = E[k'_j²] = σ_j — an even error in k' costs Σσ_j, against the original basis' tr(C_q)·tr(C_k)/d
-  share, never less by Cauchy–Schwarz; then H, INT2, H, and back by B_g⁻¹;
+  q'·k' with E[q'_j²] = E[k'_j²] = σ_j (whitened: B_g is not orthonormal); then H, INT2, H, and back by B_g⁻¹;
 - values: v' = v·A_v (kvfold's value basis), then H, INT2, H, A_v⁻¹.
 Every other choice is OSCAR's (int2_roundtrip, its clipping ratios, 64 + 256 whole tokens), and so are the bytes:
-2 bits a number and 32 per token and head. A diagnostic on the frontier, not a cache kvfold exports.
+2 bits a number and 32 per token and head. A diagnostic on the frontier, not a cache kvfold exports. Measured on
+Qwen2.5-Coder-1.5B at 4K (docs/long-context.md, 2026-12-03): it breaks the model (KL 5.2) where oscar-shifted, the same
+quantizer in OSCAR's orthonormal bases with the same key shift, holds (KL 0.015): an even error in the whitened space
+is uneven in the keys' own.
 """
 
 from __future__ import annotations
