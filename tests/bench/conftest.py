@@ -23,3 +23,8 @@ def frontier_logits(setup: Setup, patches=None, proj_maps=None, model=None) -> t
     with torch.inference_mode(), patched(model, setup.adapter, patches or {}), \
             mapped_projections(model, setup.adapter, proj_maps or {}):
         return model(input_ids=ids, use_cache=False).logits
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Whether `a` is within `tol` of `b`, relative to b's largest magnitude."""
+    return float((a - b).abs().max() / b.abs().max()) < tol

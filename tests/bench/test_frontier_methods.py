@@ -12,7 +12,6 @@ import torch
 from kvfold.errors import KVFoldError
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
-from kvfold.hooks import AttentionPatch, patched
 from kvfold.measure.evaluate import _patch
 from kvfold.plan.ranks import RankRule, factors_for, plan_ranks
 from kvfold_bench.frontier.methods import METHODS, get_methods
@@ -20,13 +19,9 @@ from kvfold_bench.frontier.methods.palu import prerope_grams
 from kvfold_bench.frontier.methods.think import channel_masks
 from kvfold_bench.frontier.methods.vllm_kv import fp8_per_tensor_roundtrip
 from kvfold_bench.frontier.patches import compressed, key_channel_mask
-from tests.bench.conftest import frontier_logits
+from tests.bench.conftest import close, frontier_logits
 
 ARCH = "LlamaForCausalLM"
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
-    return float((a - b).abs().max() / b.abs().max()) < tol
 
 
 def test_palu_reconstructs_low_rank_keys_and_values_before_rope(setup):
@@ -54,8 +49,8 @@ def test_palu_reconstructs_low_rank_keys_and_values_before_rope(setup):
         with torch.no_grad():
             proj.weight.copy_(p @ proj.weight)
     assert math.isclose(cand.kv_fraction, kept / sum(g.shape[0] for g in grams.values()))
-    assert _close(frontier_logits(setup, proj_maps=cand.proj_maps), frontier_logits(setup, model=folded))
-    assert not _close(frontier_logits(setup, proj_maps=cand.proj_maps), frontier_logits(setup), 1e-3)
+    assert close(frontier_logits(setup, proj_maps=cand.proj_maps), frontier_logits(setup, model=folded))
+    assert not close(frontier_logits(setup, proj_maps=cand.proj_maps), frontier_logits(setup), 1e-3)
 
 
 def test_palu_at_full_rank_is_exact(setup):
@@ -64,7 +59,7 @@ def test_palu_at_full_rank_is_exact(setup):
     from kvfold_bench.frontier.methods.palu import _projector
 
     maps = {key: _projector(svd_from_gram(g)[1], g.shape[0], torch.float32) for key, g in grams.items()}
-    assert _close(frontier_logits(setup, proj_maps=maps), frontier_logits(setup))
+    assert close(frontier_logits(setup, proj_maps=maps), frontier_logits(setup))
 
 
 def test_fp8_roundtrip_is_e4m3_at_scale_one_saturating():
@@ -93,7 +88,7 @@ def test_fp8_method_halves_the_bytes_and_perturbs_little(setup):
     q8, ref = frontier_logits(setup, cand.patches), frontier_logits(setup)
     # the random tiny model's keys and values are O(1) (largest 4.6), in e4m3's normal range at scale 1.0: the
     # 3-bit mantissa moves its logits by 10.2% of their largest (2026-12-01)
-    assert not torch.equal(q8, ref) and _close(q8, ref, 0.15)
+    assert not torch.equal(q8, ref) and close(q8, ref, 0.15)
 
 
 def test_think_prunes_the_lowest_query_key_channels(setup):
@@ -121,7 +116,7 @@ def test_uniform_gives_every_head_the_same_rank_and_is_exact_at_full_rank(setup)
     bases = setup.bases("aware", "text")
     full = plan_ranks(bases, RankRule(0.0, 0.0, multiple=1, min_rank=1))
     exact = {i: compressed(f, torch.float32) for i, f in enumerate(factors_for(bases, full))}
-    assert _close(frontier_logits(setup, exact), frontier_logits(setup))
+    assert close(frontier_logits(setup, exact), frontier_logits(setup))
 
 
 def test_compressed_attention_equals_the_evaluators_projection(setup):
@@ -131,10 +126,10 @@ def test_compressed_attention_equals_the_evaluators_projection(setup):
     factors = factors_for(bases, plan_ranks(bases, RankRule(0.1, 0.05, multiple=1, min_rank=1)))
     ours = frontier_logits(setup, {i: compressed(f, torch.float32) for i, f in enumerate(factors)})
     theirs = frontier_logits(setup, {i: _patch(f, torch.float32) for i, f in enumerate(factors)})
-    assert _close(ours, theirs, 1e-4) and not _close(ours, frontier_logits(setup), 1e-3)
+    assert close(ours, theirs, 1e-4) and not close(ours, frontier_logits(setup), 1e-3)
     seen = []
     spy = {i: compressed(f, torch.float32, lambda x: seen.append(x.shape) or x) for i, f in enumerate(factors)}
-    assert _close(frontier_logits(setup, spy), ours)  # an identity quantizer changes nothing...
+    assert close(frontier_logits(setup, spy), ours)  # an identity quantizer changes nothing...
     assert len(seen) == 2 * len(factors)  # ...and sees each layer's cached k' and v'
 
 
@@ -149,7 +144,7 @@ def test_kvfold_fp8_is_kvfold_with_its_cache_in_fp8(setup):
     # fp8's 3-bit mantissa moves the random tiny model's logits by ~10% of their largest (0.102 measured with
     # position-averaged factors and a dynamic scale, 2026-11-25; 0.103 at vLLM's scale 1.0, 2026-12-01); the rank
     # cut alone moves them 43%
-    assert not torch.equal(la, lb) and _close(la, lb, 0.15)
+    assert not torch.equal(la, lb) and close(la, lb, 0.15)
 
 
 def test_zack_is_the_papers_method_as_published(setup):
@@ -222,8 +217,8 @@ def test_kvfold_bits_counts_the_band_bytes_and_is_near_exact_at_full_precision(s
     assert per_head.kv_fraction == pytest.approx(bytes_share(head_k=scales.k, head_v=scales.v))
     assert not torch.equal(frontier_logits(setup, per_head.patches), frontier_logits(setup, cands[1].patches))
     # nearly every dim at 16 bits (float16 storage): the original's logits up to float16 round-off
-    assert _close(frontier_logits(setup, cands[0].patches), frontier_logits(setup), 2e-2)
-    assert not _close(frontier_logits(setup, cands[1].patches), frontier_logits(setup), 1e-3)
+    assert close(frontier_logits(setup, cands[0].patches), frontier_logits(setup), 2e-2)
+    assert not close(frontier_logits(setup, cands[1].patches), frontier_logits(setup), 1e-3)
 
 
 def test_int_per_token_and_kivi_count_their_scales(setup):
@@ -233,8 +228,8 @@ def test_int_per_token_and_kivi_count_their_scales(setup):
     (i8,), (i4,) = METHODS["int8"].candidates(setup), METHODS["int4"].candidates(setup)
     assert i8.kv_fraction == (d + 2) / (2 * d) and i4.kv_fraction == (d / 2 + 2) / (2 * d)
     ref = frontier_logits(setup)
-    assert _close(frontier_logits(setup, i8.patches), ref, 2e-2)
-    assert not _close(frontier_logits(setup, i4.patches), ref, 1e-3)
+    assert close(frontier_logits(setup, i8.patches), ref, 2e-2)
+    assert not close(frontier_logits(setup, i4.patches), ref, 1e-3)
     (k4,) = METHODS["kivi4"].candidates(setup)
     groups = -(-d // 32)
     assert k4.kv_fraction == pytest.approx((2 * d * 4 / 8 + 4 * d / 32 + 4 * groups) / (4 * d))
@@ -265,157 +260,3 @@ def test_a_methods_grid_can_be_narrowed_for_a_focused_run():
     for bad in ("int4_per_token_head@4", "kvfold-bits@", "kvfold-bits@four"):
         with pytest.raises(KVFoldError, match=r"knob grid"):
             get_methods([bad])
-
-
-def test_a_method_with_sinks_and_a_recent_window_whole(setup):
-    """NAME:sSwW (issue 51): the method's patches with the first S and each query's last W tokens whole, its bytes
-    (S + W + (T − S − W)·f)/T at the scored context; a window as long as the context gives the original's logits
-    back, a shorter one sits between the original and the method alone; a projection method is refused."""
-    from kvfold_bench.frontier.methods.recent import Recent, fraction_at
-
-    (alone,) = METHODS["int4"].candidates(setup)
-    (m,) = get_methods(["int4:s4w16"])
-    assert isinstance(m, Recent) and m.name == "int4:s4w16" and m.inner == METHODS["int4"]
-    (cand,) = m.candidates(setup)
-    t = setup.context
-    assert cand.kv_fraction == pytest.approx((20 + (t - 20) * alone.kv_fraction) / t)
-    assert cand.kv_fraction_32k == pytest.approx((20 + 32748 * alone.kv_fraction) / 32768)
-    assert alone.kv_fraction_32k is None  # a method whose bytes do not depend on the context
-    assert fraction_at(32768, 64, 256, 0.125) == pytest.approx((320 + 32448 * 0.125) / 32768)
-    ref = frontier_logits(setup)
-    (whole,) = Recent(METHODS["int4"], 0, t).candidates(setup)
-    assert _close(frontier_logits(setup, whole.patches), ref, 1e-4)
-    err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
-    assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
-    (bits,) = get_methods(["kvfold-bits:s64w256@3,2.5"])
-    assert bits.inner.grid == (3.0, 2.5) and bits.name == "kvfold-bits:s64w256"
-    # kvfold-bits attends in its rotated basis: its whole tokens are its own k' and v' unrounded (compressed's
-    # `whole`), so a window over every token gives the plan's dims without their rounding
-    low = replace(METHODS["kvfold-bits"], grid=(4.0,))
-    (coded,), (windowed,) = low.candidates(setup), Recent(low, 0, t).candidates(setup)
-    unrounded = {i: AttentionPatch(before=p.whole, after=p.after) for i, p in coded.patches.items()}
-    assert _close(frontier_logits(setup, windowed.patches), frontier_logits(setup, unrounded), 1e-4)
-    assert not _close(frontier_logits(setup, coded.patches), frontier_logits(setup, unrounded), 1e-3)
-    with pytest.raises(KVFoldError, match="is a rank method"):
-        list(Recent(METHODS["kvfold"], 4, 16).candidates(setup))
-    with pytest.raises(KVFoldError, match="changes the projections"):
-        next(Recent(METHODS["palu"], 4, 16).candidates(setup))
-
-
-def test_long_context_scoring_counts_positions_from_score_from(setup):
-    """score_model(start=): only each window's tokens from `start` on are scored, the reference kept alike."""
-    from kvfold.measure.evaluate import Reference, score_model
-
-    ref = Reference([], [])
-    late = score_model(setup.model, setup.windows, setup.batch, keep=ref, start=100)
-    assert late.window_tokens == tuple(len(s) - 100 for s in setup.windows.ids)
-    again = score_model(setup.model, setup.windows, setup.batch, against=ref, start=100)
-    assert again.kl == pytest.approx(0.0, abs=1e-9) and again.top1 == late.top1
-    with pytest.raises(ValueError, match="longer than"):
-        score_model(setup.model, setup.windows, setup.batch, start=setup.context)
-
-
-def test_oscar_is_its_authors_int2_in_attention_aware_bases(setup):
-    """OSCAR (methods/oscar.py): per layer, R_K = eigenvectors of the queries' mean q qᵀ times the Hadamard, R_V
-    the same of the values' covariance weighted by each token's mean squared logit (recomputed here from the raw
-    q, k, v of the calibration windows); keys and values rounded in those bases by the clipped asymmetric INT2
-    (a row's codes on 4 levels, the largest |x| clipped), rotated back; the first 64 and last 256 tokens whole;
-    bytes 2 bits a number + 32 per token and head."""
-    from kvfold_bench.frontier.methods.oscar import CLIP_K, CLIP_V, OscarInt2, int2_roundtrip, rotations
-    from kvfold_bench.frontier.methods.recent import fraction_at
-    from kvfold_bench.frontier.methods.turboquant import hadamard
-
-    d = setup.model.config.head_dim
-    # the rounding: 4 levels per row, |x| clipped at its ⌊r·d⌋-th smallest, every value within half a step
-    torch.manual_seed(0)
-    x = torch.randn(3, 5, d) * torch.logspace(-1, 1, d)
-    y = int2_roundtrip(x, CLIP_K)
-    assert all(len(row.unique()) <= 4 for row in y.view(-1, d))
-    thr = x.abs().sort(-1).values[..., int(CLIP_K * d), None]
-    clipped = x.clamp(-thr, thr)
-    step = (clipped.amax(-1, keepdim=True) - clipped.amin(-1, keepdim=True)) / 3
-    assert torch.all((y - clipped).abs() <= step * 0.5 * 1.01)
-    # the rotations, from q, k, v captured at every layer
-    got = {}
-
-    def capture(i):
-        def before(q, k, v):
-            got.setdefault(i, []).append((q.double(), k.double(), v.double()))
-            return q, k, v
-        return AttentionPatch(before=before)
-
-    layers = len(setup.adapter.attention_modules(setup.model))
-    with torch.inference_mode(), patched(setup.model, setup.adapter, {i: capture(i) for i in range(layers)}):
-        for ids in setup.calib_sequences().ids:
-            setup.model(ids[None])
-    h = hadamard(d).double()
-    for i, (r_k, r_v, mean) in enumerate(rotations(setup)):
-        q = torch.cat([a for a, _, _ in got[i]], 2)  # [1, H, T, d]
-        k = torch.cat([b for _, b, _ in got[i]], 2)
-        v = torch.cat([c for _, _, c in got[i]], 2)
-        h_kv = k.shape[1]
-        assert torch.allclose(mean.double(), k[0].mean(1), atol=1e-5)
-        groups = q[0].unflatten(0, (h_kv, -1))  # [H_kv, group, T, d]
-        c_q = torch.einsum("hgtd,hgte->de", groups, groups) / (groups.shape[1] * groups.shape[2] * h_kv)
-        c_s = 0
-        for g in range(h_kv):
-            own = groups[g].flatten(0, 1)
-            w = torch.einsum("td,de,te->t", k[0, g], own.T @ own / own.shape[0], k[0, g])
-            w = w / w.mean()
-            c_s = c_s + (w[:, None] * v[0, g]).T @ v[0, g] / (w.shape[0] * h_kv)
-        for r, c in ((r_k, c_q), (r_v, c_s)):
-            assert torch.allclose(r.double() @ r.double().T, torch.eye(d, dtype=torch.float64), atol=1e-5)
-            u = r.double() @ h  # H is its own inverse: the eigenvectors, ascending
-            lam = torch.linalg.eigvalsh(c)
-            assert torch.allclose(u.T @ c @ u, torch.diag(lam), atol=1e-6 * float(lam.abs().max()))
-    (cand,) = METHODS["oscar"].candidates(setup)
-    assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
-    assert cand.kv_fraction_32k == pytest.approx(fraction_at(32768, 64, 256, (2 * d + 32) / (16 * d)))
-    r_k, r_v, mean = rotations(setup)[0]
-    patch = cand.patches[0]
-    assert patch.exact == (64, 256)
-    _, k0, v0 = got[0][0]
-    _, k1, v1 = patch.before(None, k0.float(), v0.float())
-    assert torch.allclose(k1, int2_roundtrip(k0.float() @ r_k, CLIP_K) @ r_k.T, atol=1e-5)
-    assert torch.allclose(v1, int2_roundtrip(v0.float() @ r_v, CLIP_V) @ r_v.T, atol=1e-5)
-    # the diagnostic variant: keys less their calibration mean, rounded, the mean added back; values as OSCAR's
-    (shifted,) = METHODS["oscar-shifted"].candidates(setup)
-    _, k2, v2 = shifted.patches[0].before(None, k0.float(), v0.float())
-    mu = mean[None, :, None, :]
-    assert torch.allclose(k2, int2_roundtrip((k0.float() - mu) @ r_k, CLIP_K) @ r_k.T + mu, atol=1e-5)
-    assert torch.equal(v2, v1) and shifted.kv_fraction == cand.kv_fraction
-    # at the tiny model's 512-token windows, only tokens over 320 back are rounded: between the original and INT2
-    ref = frontier_logits(setup)
-    (alone,) = OscarInt2().candidates(setup)
-    err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
-    assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
-
-
-def test_kvfold_int2_is_oscars_int2_in_kvfolds_bases(setup):
-    """kvfold-int2 (methods/int2.py): each token's keys less kvfold's key shift, in kvfold's key basis B_g, then the
-    Hadamard, rounded by OSCAR's INT2 and mapped back by H and B_g⁻¹; values alike in A_v; OSCAR's whole tokens and
-    bytes."""
-    from kvfold_bench.frontier.methods.oscar import CLIP_K, CLIP_V, int2_roundtrip
-    from kvfold_bench.frontier.methods.recent import fraction_at
-    from kvfold_bench.frontier.methods.turboquant import hadamard
-
-    d = setup.model.config.head_dim
-    (cand,) = METHODS["kvfold-int2"].candidates(setup)
-    assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
-    basis = setup.bases("aware", "text")[1]
-    patch = cand.patches[1]
-    assert patch.exact == (64, 256)
-    torch.manual_seed(0)
-    h_kv = basis.qk_b.shape[0]
-    k, v = torch.randn(1, h_kv, 7, d) * 3, torch.randn(1, h_kv, 7, d)
-    _, k1, v1 = patch.before(None, k, v)
-    h, b, a = hadamard(d).double(), basis.qk_b.double(), basis.v_a.double()
-    mu = (basis.k_mean if basis.k_mean is not None else torch.zeros(h_kv, d)).double()
-    for g in range(h_kv):
-        y = int2_roundtrip((k[0, g].double() - mu[g]) @ b[g] @ h, CLIP_K)
-        assert torch.allclose(k1[0, g].double(), y @ h @ torch.linalg.inv(b[g]) + mu[g], atol=1e-4)
-        y = int2_roundtrip(v[0, g].double() @ a[g] @ h, CLIP_V)
-        assert torch.allclose(v1[0, g].double(), y @ h @ torch.linalg.inv(a[g]), atol=1e-4)
-    # the rounding is real: the rounded keys differ from the originals, and the model's logits move
-    assert not torch.allclose(k1, k, atol=1e-2)
-    assert (frontier_logits(setup, cand.patches) - frontier_logits(setup)).abs().mean() > 0

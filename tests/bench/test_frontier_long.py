@@ -1,0 +1,168 @@
+"""The frontier's long-context pieces (issue 51): whole sink and recent tokens, scoring from a position on, OSCAR as its
+authors run it and OSCAR's quantizer in kvfold's bases."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvfold.errors import KVFoldError
+from kvfold.hooks import AttentionPatch, patched
+from kvfold_bench.frontier.methods import METHODS, get_methods
+from tests.bench.conftest import close, frontier_logits
+
+
+def test_a_method_with_sinks_and_a_recent_window_whole(setup):
+    """NAME:sSwW (issue 51): the method's patches with the first S and each query's last W tokens whole, its bytes
+    (S + W + (T − S − W)·f)/T at the scored context; a window as long as the context gives the original's logits
+    back, a shorter one sits between the original and the method alone; a projection method is refused."""
+    from kvfold_bench.frontier.methods.recent import Recent, fraction_at
+
+    (alone,) = METHODS["int4"].candidates(setup)
+    (m,) = get_methods(["int4:s4w16"])
+    assert isinstance(m, Recent) and m.name == "int4:s4w16" and m.inner == METHODS["int4"]
+    (cand,) = m.candidates(setup)
+    t = setup.context
+    assert cand.kv_fraction == pytest.approx((20 + (t - 20) * alone.kv_fraction) / t)
+    assert cand.kv_fraction_32k == pytest.approx((20 + 32748 * alone.kv_fraction) / 32768)
+    assert alone.kv_fraction_32k is None  # a method whose bytes do not depend on the context
+    assert fraction_at(32768, 64, 256, 0.125) == pytest.approx((320 + 32448 * 0.125) / 32768)
+    ref = frontier_logits(setup)
+    (whole,) = Recent(METHODS["int4"], 0, t).candidates(setup)
+    assert close(frontier_logits(setup, whole.patches), ref, 1e-4)
+    err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
+    assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
+    (bits,) = get_methods(["kvfold-bits:s64w256@3,2.5"])
+    assert bits.inner.grid == (3.0, 2.5) and bits.name == "kvfold-bits:s64w256"
+    # kvfold-bits attends in its rotated basis: its whole tokens are its own k' and v' unrounded (compressed's
+    # `whole`), so a window over every token gives the plan's dims without their rounding
+    low = replace(METHODS["kvfold-bits"], grid=(4.0,))
+    (coded,), (windowed,) = low.candidates(setup), Recent(low, 0, t).candidates(setup)
+    unrounded = {i: AttentionPatch(before=p.whole, after=p.after) for i, p in coded.patches.items()}
+    assert close(frontier_logits(setup, windowed.patches), frontier_logits(setup, unrounded), 1e-4)
+    assert not close(frontier_logits(setup, coded.patches), frontier_logits(setup, unrounded), 1e-3)
+    with pytest.raises(KVFoldError, match="is a rank method"):
+        list(Recent(METHODS["kvfold"], 4, 16).candidates(setup))
+    with pytest.raises(KVFoldError, match="changes the projections"):
+        next(Recent(METHODS["palu"], 4, 16).candidates(setup))
+
+
+def test_long_context_scoring_counts_positions_from_score_from(setup):
+    """score_model(start=): only each window's tokens from `start` on are scored, the reference kept alike."""
+    from kvfold.measure.evaluate import Reference, score_model
+
+    ref = Reference([], [])
+    late = score_model(setup.model, setup.windows, setup.batch, keep=ref, start=100)
+    assert late.window_tokens == tuple(len(s) - 100 for s in setup.windows.ids)
+    again = score_model(setup.model, setup.windows, setup.batch, against=ref, start=100)
+    assert again.kl == pytest.approx(0.0, abs=1e-9) and again.top1 == late.top1
+    with pytest.raises(ValueError, match="longer than"):
+        score_model(setup.model, setup.windows, setup.batch, start=setup.context)
+
+
+def test_oscar_is_its_authors_int2_in_attention_aware_bases(setup):
+    """OSCAR (methods/oscar.py): per layer, R_K = eigenvectors of the queries' mean q qᵀ times the Hadamard, R_V
+    the same of the values' covariance weighted by each token's mean squared logit (recomputed here from the raw
+    q, k, v of the calibration windows); keys and values rounded in those bases by the clipped asymmetric INT2
+    (a row's codes on 4 levels, the largest |x| clipped), rotated back; the first 64 and last 256 tokens whole;
+    bytes 2 bits a number + 32 per token and head."""
+    from kvfold_bench.frontier.methods.oscar import CLIP_K, CLIP_V, OscarInt2, int2_roundtrip, rotations
+    from kvfold_bench.frontier.methods.recent import fraction_at
+    from kvfold_bench.frontier.methods.turboquant import hadamard
+
+    d = setup.model.config.head_dim
+    # the rounding: 4 levels per row, |x| clipped at its ⌊r·d⌋-th smallest, every value within half a step
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, d) * torch.logspace(-1, 1, d)
+    y = int2_roundtrip(x, CLIP_K)
+    assert all(len(row.unique()) <= 4 for row in y.view(-1, d))
+    thr = x.abs().sort(-1).values[..., int(CLIP_K * d), None]
+    clipped = x.clamp(-thr, thr)
+    step = (clipped.amax(-1, keepdim=True) - clipped.amin(-1, keepdim=True)) / 3
+    assert torch.all((y - clipped).abs() <= step * 0.5 * 1.01)
+    # the rotations, from q, k, v captured at every layer
+    got = {}
+
+    def capture(i):
+        def before(q, k, v):
+            got.setdefault(i, []).append((q.double(), k.double(), v.double()))
+            return q, k, v
+        return AttentionPatch(before=before)
+
+    layers = len(setup.adapter.attention_modules(setup.model))
+    with torch.inference_mode(), patched(setup.model, setup.adapter, {i: capture(i) for i in range(layers)}):
+        for ids in setup.calib_sequences().ids:
+            setup.model(ids[None])
+    h = hadamard(d).double()
+    for i, (r_k, r_v, mean) in enumerate(rotations(setup)):
+        q = torch.cat([a for a, _, _ in got[i]], 2)  # [1, H, T, d]
+        k = torch.cat([b for _, b, _ in got[i]], 2)
+        v = torch.cat([c for _, _, c in got[i]], 2)
+        h_kv = k.shape[1]
+        assert torch.allclose(mean.double(), k[0].mean(1), atol=1e-5)
+        groups = q[0].unflatten(0, (h_kv, -1))  # [H_kv, group, T, d]
+        c_q = torch.einsum("hgtd,hgte->de", groups, groups) / (groups.shape[1] * groups.shape[2] * h_kv)
+        c_s = 0
+        for g in range(h_kv):
+            own = groups[g].flatten(0, 1)
+            w = torch.einsum("td,de,te->t", k[0, g], own.T @ own / own.shape[0], k[0, g])
+            w = w / w.mean()
+            c_s = c_s + (w[:, None] * v[0, g]).T @ v[0, g] / (w.shape[0] * h_kv)
+        for r, c in ((r_k, c_q), (r_v, c_s)):
+            assert torch.allclose(r.double() @ r.double().T, torch.eye(d, dtype=torch.float64), atol=1e-5)
+            u = r.double() @ h  # H is its own inverse: the eigenvectors, ascending
+            lam = torch.linalg.eigvalsh(c)
+            assert torch.allclose(u.T @ c @ u, torch.diag(lam), atol=1e-6 * float(lam.abs().max()))
+    (cand,) = METHODS["oscar"].candidates(setup)
+    assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
+    assert cand.kv_fraction_32k == pytest.approx(fraction_at(32768, 64, 256, (2 * d + 32) / (16 * d)))
+    r_k, r_v, mean = rotations(setup)[0]
+    patch = cand.patches[0]
+    assert patch.exact == (64, 256)
+    _, k0, v0 = got[0][0]
+    _, k1, v1 = patch.before(None, k0.float(), v0.float())
+    assert torch.allclose(k1, int2_roundtrip(k0.float() @ r_k, CLIP_K) @ r_k.T, atol=1e-5)
+    assert torch.allclose(v1, int2_roundtrip(v0.float() @ r_v, CLIP_V) @ r_v.T, atol=1e-5)
+    # the diagnostic variant: keys less their calibration mean, rounded, the mean added back; values as OSCAR's
+    (shifted,) = METHODS["oscar-shifted"].candidates(setup)
+    _, k2, v2 = shifted.patches[0].before(None, k0.float(), v0.float())
+    mu = mean[None, :, None, :]
+    assert torch.allclose(k2, int2_roundtrip((k0.float() - mu) @ r_k, CLIP_K) @ r_k.T + mu, atol=1e-5)
+    assert torch.equal(v2, v1) and shifted.kv_fraction == cand.kv_fraction
+    # at the tiny model's 512-token windows, only tokens over 320 back are rounded: between the original and INT2
+    ref = frontier_logits(setup)
+    (alone,) = OscarInt2().candidates(setup)
+    err = (frontier_logits(setup, cand.patches) - ref).abs().mean()
+    assert 0 < err < (frontier_logits(setup, alone.patches) - ref).abs().mean()
+
+
+def test_kvfold_int2_is_oscars_int2_in_kvfolds_bases(setup):
+    """kvfold-int2 (methods/int2.py): each token's keys less kvfold's key shift, in kvfold's key basis B_g, then the
+    Hadamard, rounded by OSCAR's INT2 and mapped back by H and B_g⁻¹; values alike in A_v; OSCAR's whole tokens and
+    bytes."""
+    from kvfold_bench.frontier.methods.oscar import CLIP_K, CLIP_V, int2_roundtrip
+    from kvfold_bench.frontier.methods.recent import fraction_at
+    from kvfold_bench.frontier.methods.turboquant import hadamard
+
+    d = setup.model.config.head_dim
+    (cand,) = METHODS["kvfold-int2"].candidates(setup)
+    assert cand.kv_fraction == pytest.approx(fraction_at(setup.context, 64, 256, (2 * d + 32) / (16 * d)))
+    basis = setup.bases("aware", "text")[1]
+    patch = cand.patches[1]
+    assert patch.exact == (64, 256)
+    torch.manual_seed(0)
+    h_kv = basis.qk_b.shape[0]
+    k, v = torch.randn(1, h_kv, 7, d) * 3, torch.randn(1, h_kv, 7, d)
+    _, k1, v1 = patch.before(None, k, v)
+    h, b, a = hadamard(d).double(), basis.qk_b.double(), basis.v_a.double()
+    mu = (basis.k_mean if basis.k_mean is not None else torch.zeros(h_kv, d)).double()
+    for g in range(h_kv):
+        y = int2_roundtrip((k[0, g].double() - mu[g]) @ b[g] @ h, CLIP_K)
+        assert torch.allclose(k1[0, g].double(), y @ h @ torch.linalg.inv(b[g]) + mu[g], atol=1e-4)
+        y = int2_roundtrip(v[0, g].double() @ a[g] @ h, CLIP_V)
+        assert torch.allclose(v1[0, g].double(), y @ h @ torch.linalg.inv(a[g]), atol=1e-4)
+    # the rounding is real: the rounded keys differ from the originals, and the model's logits move
+    assert not torch.allclose(k1, k, atol=1e-2)
+    assert (frontier_logits(setup, cand.patches) - frontier_logits(setup)).abs().mean() > 0
