@@ -1,6 +1,6 @@
 """The methods on the frontier, registered by name. Adding one = a file (or a variant line) + a line here
-+ a row in tests/bench/test_frontier_methods.py. Code outside the bench adds its own with `register` (e.g.
-research/frontier_limit.py's references): run only when named."""
++ a row in tests/bench/test_frontier_methods.py (test_frontier_long.py for long-context ones). Code outside the
+bench adds its own with `register` (e.g. research/frontier_limit.py's references): run only when named."""
 
 from __future__ import annotations
 
