@@ -166,3 +166,29 @@ def test_kvfold_int2_is_oscars_int2_in_kvfolds_bases(setup):
     # the rounding is real: the rounded keys differ from the originals, and the model's logits move
     assert not torch.allclose(k1, k, atol=1e-2)
     assert (frontier_logits(setup, cand.patches) - frontier_logits(setup)).abs().mean() > 0
+
+
+def test_kvfold_int2_orth_rounds_keys_in_the_polar_factor_of_kvfolds_key_basis(setup):
+    """kvfold-int2-orth: B_g = U·S·Vᵀ replaced by U·Vᵀ (orthonormal, so the rounded keys map back by its transpose);
+    values as kvfold-int2's."""
+    from kvfold_bench.frontier.methods.oscar import CLIP_K, int2_roundtrip
+    from kvfold_bench.frontier.methods.turboquant import hadamard
+
+    d = setup.model.config.head_dim
+    (orth,), (plain,) = METHODS["kvfold-int2-orth"].candidates(setup), METHODS["kvfold-int2"].candidates(setup)
+    basis = setup.bases("aware", "text")[1]
+    h_kv = basis.qk_b.shape[0]
+    torch.manual_seed(0)
+    k, v = torch.randn(1, h_kv, 7, d) * 3, torch.randn(1, h_kv, 7, d)
+    _, k1, v1 = orth.patches[1].before(None, k, v)
+    _, k2, v2 = plain.patches[1].before(None, k, v)
+    mu = (basis.k_mean if basis.k_mean is not None else torch.zeros(h_kv, d)).double()
+    h = hadamard(d).double()
+    for g in range(h_kv):
+        u, _, vh = torch.linalg.svd(basis.qk_b[g].double())
+        r = u @ vh
+        assert torch.allclose(r @ r.T, torch.eye(d, dtype=torch.float64), atol=1e-8)
+        y = int2_roundtrip((k[0, g].double() - mu[g]) @ r @ h, CLIP_K)
+        assert torch.allclose(k1[0, g].double(), y @ h @ r.T + mu[g], atol=1e-4)
+    assert torch.allclose(v1, v2) and not torch.allclose(k1, k2)
+    assert orth.kv_fraction == plain.kv_fraction

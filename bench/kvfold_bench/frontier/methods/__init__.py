@@ -70,6 +70,7 @@ _ALL: list[Method] = [
     Oscar(),
     Oscar(name="oscar-shifted", label="OSCAR, keys less their calibration mean (kvfold's key shift)", shift=True),
     KVFoldInt2(),  # OSCAR's quantizer and whole tokens in kvfold's bases (a diagnostic: which part makes OSCAR cheap)
+    KVFoldInt2(name="kvfold-int2-orth", label="kvfold-int2, key basis made orthonormal", orthonormal=True),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)  # fixed here: methods registered later run only when named

@@ -11,7 +11,8 @@ Every other choice is OSCAR's (int2_roundtrip, its clipping ratios, 64 + 256 who
 2 bits a number and 32 per token and head. A diagnostic on the frontier, not a cache kvfold exports. Measured on
 Qwen2.5-Coder-1.5B at 4K (docs/long-context.md, 2026-12-03): it breaks the model (KL 5.2) where oscar-shifted, the same
 quantizer in OSCAR's orthonormal bases with the same key shift, holds (KL 0.015): an even error in the whitened space
-is uneven in the keys' own.
+is uneven in the keys' own. `kvfold-int2-orth` tests that reading: B_g replaced by its nearest orthonormal matrix
+(the polar factor U·Vᵀ of B_g = U·S·Vᵀ), same directions without the whitening's scaling.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _Int2:
     label: str = "kvfold's bases, Hadamard, OSCAR's INT2"
     knob: str = "none"
     origin: str | None = None
+    orthonormal: bool = False  # B_g's polar factor instead of B_g (module docstring)
 
     def candidates(self, setup) -> Iterator[Candidate]:
         d = head_dim(setup.model.config)
@@ -65,7 +67,11 @@ class _Int2:
         patches = {}
         for i, basis in enumerate(setup.bases("aware", "text")):
             mu = basis.k_mean if basis.k_mean is not None else torch.zeros(basis.qk_b.shape[:2])
-            patches[i] = _patch(basis.qk_b.float(), mu.float(), basis.v_a.float(), h)
+            b = basis.qk_b.double()
+            if self.orthonormal:
+                u, _, vh = torch.linalg.svd(b)
+                b = u @ vh
+            patches[i] = _patch(b.float(), mu.float(), basis.v_a.float(), h)
         yield Candidate(2.0, (2 * d + 32) / (16 * d), patches)  # OSCAR's bytes
 
 
@@ -75,6 +81,7 @@ class KVFoldInt2:
     label: str = f"kvfold's bases + OSCAR's INT2 (first {SINKS} + last {WINDOW} tokens whole)"
     knob: str = "none"
     origin: str | None = None
+    orthonormal: bool = False
 
     def candidates(self, setup) -> Iterator[Candidate]:
-        return Recent(_Int2(), SINKS, WINDOW).candidates(setup)
+        return Recent(_Int2(orthonormal=self.orthonormal), SINKS, WINDOW).candidates(setup)
