@@ -40,10 +40,8 @@ def _patch(b: torch.Tensor, mu: torch.Tensor, a_v: torch.Tensor, h: torch.Tensor
     from_k, from_v = h @ from_k, h @ from_v
 
     def before(q, k, v):
-        def through(x, to, back, clip):
-            x32 = x.float()
-            y = torch.einsum("bgtd,gde->bgte", x32, to.to(x.device))
-            return torch.einsum("bgte,ged->bgtd", int2_roundtrip(y, clip), back.to(x.device))
+        def through(x, to, back, clip):  # [B, H_kv, T, d] @ [H_kv, d, d]: each KV head in its own basis
+            return int2_roundtrip(x.float() @ to.to(x.device), clip) @ back.to(x.device)
 
         m = mu.to(k.device)[None, :, None, :]
         k_hat = through(k.float() - m, to_k, from_k, CLIP_K) + m
