@@ -122,6 +122,12 @@ def export(
                                                    "anywhere (the older allocation) "
                                                    f"{_by_format('band_align_default')}.")
                           ] = None,
+    sinks: Annotated[int | None, typer.Option(help="Bits format: keep every layer's first SINKS tokens whole too "
+                                              "(attention sinks); served by transformers, not yet by vLLM "
+                                              f"{_default('sinks')}.")] = None,
+    window: Annotated[int | None, typer.Option(help="Bits format: keep every layer's last WINDOW tokens whole too; "
+                                               "bytes then stated at 4,096 tokens; served by transformers, not yet "
+                                               f"by vLLM {_default('window')}.")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
@@ -150,7 +156,8 @@ def export(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
             search_steps=search_steps,
-            format=format, band_align=band_align, context=context, dtype=dtype, passkey=passkey, tp=tp))
+            format=format, band_align=band_align, sinks=sinks, window=window, context=context, dtype=dtype,
+            passkey=passkey, tp=tp))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
                             device_map=device_map,

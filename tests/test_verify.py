@@ -279,6 +279,37 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
                       "-o", tmp_path / "x"), "--accuracy or --max-kl", tmp_path / "x")
 
 
+def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs, exported, tmp_path):
+    """export --format bits --sinks 2 --window 8 (issue 51): searched on the cache that keeps those tokens whole, the
+    two counts in the manifest and config.json, its compression stated at 4,096 tokens with the whole rows counted;
+    verify passes on the served model, whose live cache holds the codes of every token and the whole rows of the
+    first 2 and last 8 (in float32: verify's dtype). The rank format and vLLM refuse the flags (one line)."""
+    from dataclasses import replace
+
+    from kvfold.checkpoint.manifest import Manifest
+
+    calib, out = exported[0].parent / "calib", tmp_path / "windowed"
+    result = run("export", tiny_dirs[LLAMA], "--calib", calib, "--eval-text", exported[1], "--eval-tokens", 1024,
+                 "--accuracy", 0.9, "--format", "bits", "--passkey", 0, "--sinks", 2, "--window", 8, "-o", out)
+    assert result.exit_code == 0, result.output
+    m = Manifest.load(out)
+    block = m.config_block()
+    assert (m.sinks, m.window) == (2, 8) and block.windowed
+    assert {k: json.loads((out / "config.json").read_text())["kvfold"][k] for k in ("sinks", "window")} == \
+        {"sinks": 2, "window": 8}
+    fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)
+    assert m.chosen.compression == pytest.approx(1 - block.bytes_per_token(context=4096) / fp16)
+    done = run("verify", out, "--eval-text", exported[1], "--eval-tokens", 1024, "--json")
+    report = json.loads(done.stdout)
+    assert report["ok"], report["checks"]
+    coded = replace(block, sinks=0, window=0).bytes_per_token()
+    whole = 4 * (sum(map(sum, m.d_k)) + sum(map(sum, m.d_v)))
+    tokens = 128  # verify's live-cache prompt (serving.KV_BYTES_TOKENS)
+    assert report["kv_bytes_per_token"]["exported"] == pytest.approx(coded + whole * (2 + 8) / tokens)
+    assert_user_error(run("export", tiny_dirs[LLAMA], "--calib", calib, "--accuracy", 0.9, "--window", 8,
+                          "-o", tmp_path / "x"), "--sinks and --window keep tokens whole", tmp_path / "x")
+
+
 def test_verify_holds_the_unchanged_weights_once(tiny_dirs, exported):
     """Issue 52: the original verify compares against is built around the served model's tensors; only the
     attention projections the export changed are its own, and it computes what the source loaded alone does."""

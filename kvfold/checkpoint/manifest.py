@@ -42,7 +42,8 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # `passkey`, the long-context check of the chosen point. 1.6: `band_scale`, the bits format's scale format
 # (one-byte log8; before, float16). 1.7: `tensor_parallel`, the tensor-parallel size the widths were balanced for.
 # 1.8: the keys' shift (`kvfold_k_shift` in extra_tensors; config.json's kvfold block says `key_shift`). 1.9: a bits
-# export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`). Without a version of its own
+# export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`). 1.10: a windowed bits export's
+# whole tokens (`sinks`, `window`; config.json's kvfold block says them too; absent: 0). Without a version of its own
 # (no runtime reads it, and no rank or bits export writes it): `format`, the cache format (`Manifest.format`).
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
@@ -152,6 +153,9 @@ class Manifest(_Frozen):
     v_bits: list[list[list[int]]] | None = None
     # bits format: each band's per-token scale format (kvfold_runtime.bands.SCALES); before 1.6 always float16
     band_scale: str = LEGACY_BAND_SCALE
+    # bits format: every layer's first `sinks` and last `window` tokens also kept whole (plan/bits.BitPlan); 0: none
+    sinks: int = 0
+    window: int = 0
     # The cache format that planned the export (plan/formats), where its checkpoint layout does not name it: the
     # runtime serves a checkpoint by its layout (rank or bits, `config_block().format`) and reads no format name, so
     # the rank and bits formats write none and their manifests stay as they always were; a format of its own (one
@@ -180,7 +184,8 @@ class Manifest(_Frozen):
             **_layer_fields(plan.scales), positions=plan.positions, search_dtype=plan.search_dtype,
             passkey=plan.passkey, head_dim=plan.layout.head_dim, num_heads=plan.layout.num_heads,
             num_kv_heads=plan.layout.num_kv_heads, d_k=plan.ranks.d_k, d_v=plan.ranks.d_v, k_bits=k_bits,
-            v_bits=v_bits, band_scale=bits.scale if bits else LEGACY_BAND_SCALE, chosen=plan.chosen,
+            v_bits=v_bits, band_scale=bits.scale if bits else LEGACY_BAND_SCALE, sinks=bits.sinks if bits else 0,
+            window=bits.window if bits else 0, chosen=plan.chosen,
             curve=list(plan.curve), format=get_format(plan.format).manifest_name if plan.format else None,
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST, K_SHIFT))),
         )
@@ -195,7 +200,8 @@ class Manifest(_Frozen):
             format=self.format or self.config_block().format, band_scale=self.band_scale if bits else None,
             search_dtype=self.search_dtype, positions=self.positions, scales=self.layer_scales(),
             curve=tuple(self.curve), passkey=self.passkey,
-            baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl))
+            baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl),
+            window=(self.sinks, self.window))
 
     def layer_scales(self) -> LayerScales | HeadScales | None:
         """The multipliers and the costs behind them (sensitivity allocation): per layer (rank format) or per KV
@@ -211,7 +217,8 @@ class Manifest(_Frozen):
     def config_block(self) -> ConfigBlock:
         """The `kvfold` block of config.json: what the runtime needs to build the model and its cache."""
         return ConfigBlock(self.d_k, self.d_v, bool(self.extra_tensors), self.k_bits, self.v_bits, self.band_scale,
-                           self.schema_version, key_shift=any(n.endswith(K_SHIFT) for n in self.extra_tensors))
+                           self.schema_version, key_shift=any(n.endswith(K_SHIFT) for n in self.extra_tensors),
+                           sinks=self.sinks, window=self.window)
 
     def accuracy_target(self) -> Target | None:
         """The target the search met (None when the export was made for a compression)."""

@@ -44,13 +44,14 @@ from kvfold.plan.formats.bits import ALIGN, V_SCALE  # the bands' alignment and 
 from kvfold.plan.ranks import RankPlan, factors_for
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
-__all__ = ["ALIGN", "KEY_MIN_BITS", "SCALE", "V_SCALE", "BitPlan", "BitRule", "band_mixer", "bit_factors",
+__all__ = ["ALIGN", "KEY_MIN_BITS", "SCALE", "V_SCALE", "WINDOW_CONTEXT", "BitPlan", "BitRule", "band_mixer", "bit_factors",
            "bits_basis", "check_align", "dim_bits", "modelled_distortion", "plan_bits", "theta_for_mean_bits"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
 # V_SCALE): float16 scales at 0.297 of fp16's bytes gave KL 0.057, log8 at 0.2775 gave KL 0.043.
 SCALE = DEFAULT_BAND_SCALE
+WINDOW_CONTEXT = 4096  # the context a windowed plan's bytes (and its compression p) are stated at (BitPlan)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class BitRule:
     head_k: tuple[tuple[float, ...], ...] = ()
     head_v: tuple[tuple[float, ...], ...] = ()
     align: int = ALIGN  # every band starts and ends on a multiple of this many dims (dim_bits); 1: anywhere
+    sinks: int = 0  # the first tokens also kept whole (a windowed export, issue 51; BitPlan)
+    window: int = 0  # the last tokens also kept whole
 
     @property
     def r_k(self) -> float:  # the search's knob, recorded in the curve as r_k / r_v (plan/search.py)
@@ -94,6 +97,12 @@ class BitPlan:
     v_bits: list[list[list[int]]]
     head_dim: int
     scale: str = SCALE  # the bands' scale format (kvfold_runtime.bands.SCALES)
+    # A windowed plan (issue 51) also keeps every layer's first `sinks` and last `window` tokens whole (2 bytes a
+    # number, as fp16's): a query reads them whole and every other token from its codes (kvfold.hooks.AttentionPatch
+    # .exact, kvfold_runtime's torch_window). Its bytes per token then depend on the context; they are stated at
+    # WINDOW_CONTEXT tokens (the pass-key check's) and in the manifest at 32K too.
+    sinks: int = 0
+    window: int = 0
 
     def bands(self, side: str, layer: int) -> list:
         """Layer `layer`'s bands per KV head (kvfold_runtime.bands.Band), side "k" or "v"."""
@@ -109,10 +118,17 @@ class BitPlan:
         """Equal keys, equal caches (the search scores each once)."""
         return tuple(tuple(tuple(map(tuple, layer)) for layer in side) for side in (self.k_bits, self.v_bits))
 
-    def bytes_per_token(self) -> int:
-        """Cached bytes per token, every layer's keys and values: codes and scales (the runtime's row layout)."""
+    def config_block(self) -> ConfigBlock:
+        """The kvfold block of config.json this plan's cache is (ranks, bits, scales, window)."""
         ranks = self.ranks()
-        return ConfigBlock(ranks.d_k, ranks.d_v, False, *self.kept_bits(), self.scale).bytes_per_token()
+        return ConfigBlock(ranks.d_k, ranks.d_v, False, *self.kept_bits(), self.scale, sinks=self.sinks,
+                           window=self.window)
+
+    def bytes_per_token(self, context: int | None = None) -> float:
+        """Cached bytes per token, every layer's keys and values: codes and scales (the runtime's row layout), and
+        for a windowed plan its whole rows at 2 bytes a number over `context` tokens [WINDOW_CONTEXT]."""
+        block = self.config_block()
+        return block.bytes_per_token(context=context or WINDOW_CONTEXT) if block.windowed else block.bytes_per_token()
 
     @property
     def compression(self) -> float:
@@ -235,7 +251,8 @@ def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
                        for s, t in zip(b.qk_spectrum, tk, strict=True)])
         v_bits.append([dim_bits(s, t, rule.widths, scale_bits, rule.align)
                        for s, t in zip(b.v_spectrum, tv, strict=True)])
-    return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1], scale=rule.scale)
+    return BitPlan(k_bits=k_bits, v_bits=v_bits, head_dim=bases[0].qk_spectrum.shape[-1], scale=rule.scale,
+                   sinks=rule.sinks, window=rule.window)
 
 
 def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...], v_scale: float = 1.0,

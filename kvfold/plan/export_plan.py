@@ -53,6 +53,7 @@ class PreviousExport:
     curve: tuple[Point, ...]
     passkey: dict | None
     baseline: Baseline
+    window: tuple[int, int] = (0, 0)  # (sinks, window) whole tokens of a windowed bits export
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,12 @@ class Recipe(BaseModel):
     # comparison). None: the format's for the model's head_dim, set by plan/reuse.check_inputs (bits: 8 at head_dim
     # ≤ 64, else 16, plan/formats/bits.band_align_for; the rank format has no bands and refuses it).
     band_align: int | None = Field(default=None, ge=1)
+    # Bits format: every layer also keeps its first `sinks` and its last `window` tokens whole (2 bytes a number),
+    # and a query reads them whole and the rest from the codes (issue 51: attention sinks and the recent tokens take
+    # most of the attention). The search and the pass keys score that cache; bytes are stated at 4,096 tokens
+    # (plan/bits.WINDOW_CONTEXT). Served by the transformers runtime (vLLM refuses it for now). 0 and 0: none.
+    sinks: int = Field(default=0, ge=0)
+    window: int = Field(default=0, ge=0)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).

@@ -55,6 +55,7 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         # bits exports before schema 1.6 stored float16 scales and did not mix their bands
         ("band scale format", prev.band_scale, get_format(recipe.format).band_scale),
         ("--dtype", prev.search_dtype, recipe.dtype),
+        ("--sinks / --window", prev.window, (recipe.sinks, recipe.window)),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvfold.errors import KVFoldError
 from kvfold.factors import LayerBasis
@@ -41,5 +42,6 @@ def bit_patches(bases: list[LayerBasis], plan: BitPlan, like, nudge: float = 0.0
     rounding of the same cache (plan/stored.banded). `coder`: a layer side's bands -> what its cache gives back
     instead of the band codes' (e.g. research/ideal.py)."""
     coder = coder or (lambda bands: banded(bands, nudge))
-    return {i: compressed(f, like, coder(plan.bands("k", i)), coder(plan.bands("v", i)))
+    exact = (plan.sinks, plan.window) if plan.sinks or plan.window else None  # a windowed plan's whole tokens
+    return {i: replace(compressed(f, like, coder(plan.bands("k", i)), coder(plan.bands("v", i))), exact=exact)
             for i, f in enumerate(bit_factors(bases, plan))}

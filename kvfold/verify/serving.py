@@ -58,12 +58,16 @@ def expected_kv_bytes(original_cache, block: ConfigBlock) -> int:
     original's layer holds (all of them, or a sliding window's last ones) at that layer's widths
     Σd_k + Σd_v, in the same dtype — or, for a bits-format export, that layer's band rows (codes and
     scales) per token: LayerDims.row_bytes. Equals (1 − p) × the original's bytes only when every layer
-    holds every token (and, for bits, the original's cache is float16)."""
+    holds every token (and, for bits, the original's cache is float16). A windowed bits export also holds its first
+    `sinks` and last `window` tokens' rows whole, in the same dtype (kvfold_runtime's WindowLayer)."""
     total = 0
     dims = block.layers(1, len(block.d_k[0]))  # the group does not change a cached row
     for layer, widths in zip(original_cache.layers, dims, strict=True):
         keys = layer.keys  # [B, H_kv, T_held, d]
-        total += keys.shape[0] * keys.shape[-2] * sum(widths.row_bytes(keys.element_size()))
+        batch, held, size = keys.shape[0], keys.shape[-2], keys.element_size()
+        total += batch * held * sum(widths.row_bytes(size))
+        whole = min(held, block.sinks) + min(held, block.window)
+        total += batch * whole * (sum(widths.d_k) + sum(widths.d_v)) * size
     return total
 
 

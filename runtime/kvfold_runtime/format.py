@@ -8,7 +8,13 @@ and carries a `kvfold` block (`ConfigBlock`): the schema version, per layer and 
 widths d_k / d_v, whether the attention modules hold post-RoPE projections (tensors `<attn>.kvfold_q_post`
 [d, Σ_h d_k(g(h))] and `<attn>.kvfold_k_post` [d, Σ_g d_k], Q_POST / K_POST), whether they also hold a key
 shift (`<attn>.kvfold_k_shift` [H_kv · d], K_SHIFT, subtracted from the post-RoPE keys before K_POST), and for
-the bits format the bit width of every kept dim (k_bits / v_bits) and the bands' scale format (band_scale).
+the bits format the bit width of every kept dim (k_bits / v_bits) and the bands' scale format (band_scale), and for
+a windowed bits export how many first tokens (`sinks`) and last tokens (`window`) every layer also keeps at the
+model's dtype (schema 1.10; absent: 0, none).
+
+Why a window: the attention sinks and the most recent tokens take most of a query's attention, so their rounding
+costs more than any other tokens'; a query reads them whole and the rest from their codes (kernels/torch_window.py,
+docs/format.md). Bytes per token then depend on the context: every token's codes plus sinks + window whole rows.
 
 Why a key shift: every query's scores move by the same constant (q · shift) when a constant is subtracted from
 every key, and softmax does not see it, so attention is unchanged — but the stored keys lose their mean. Models
@@ -37,7 +43,7 @@ __all__ = ["K_POST", "K_SHIFT", "MANIFEST", "Q_POST", "SCHEMA_VERSION", "ConfigB
 MANIFEST = "kvfold.json"
 # The version kvfold writes (history: kvfold/checkpoint/manifest.py). A runtime reads every minor version of
 # its major: minor versions only add fields with defaults that keep older exports' meaning.
-SCHEMA_VERSION = "1.9"
+SCHEMA_VERSION = "1.10"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 Q_POST, K_POST = "kvfold_q_post", "kvfold_k_post"  # post-RoPE projections, parameters of each attention module
 K_SHIFT = "kvfold_k_shift"  # the constant subtracted from post-RoPE keys (schema 1.8; absent: none)
@@ -116,6 +122,8 @@ class ConfigBlock:
     band_scale: str = LEGACY_SCALE  # bits format: the bands' scale format (absent before schema 1.6: float16)
     schema_version: str = SCHEMA_VERSION
     key_shift: bool = False  # the attention modules hold K_SHIFT (schema 1.8; absent: False)
+    sinks: int = 0  # bits format: first tokens also kept whole (schema 1.10; absent: 0)
+    window: int = 0  # bits format: last tokens also kept whole (schema 1.10; absent: 0)
 
     def to_dict(self) -> dict:
         block = {"schema_version": self.schema_version, "d_k": self.d_k, "d_v": self.d_v,
@@ -124,6 +132,8 @@ class ConfigBlock:
             block |= {"k_bits": self.k_bits, "v_bits": self.v_bits, "band_scale": self.band_scale}
         if self.key_shift:
             block["key_shift"] = True
+        if self.windowed:
+            block |= {"sinks": self.sinks, "window": self.window}
         return block
 
     @classmethod
@@ -136,7 +146,7 @@ class ConfigBlock:
         return cls(block["d_k"], block["d_v"], bool(block.get("post_rope_projections", False)),
                    block["k_bits"] if bits else None, block["v_bits"] if bits else None,
                    block.get("band_scale", LEGACY_SCALE), str(block["schema_version"]),
-                   bool(block.get("key_shift", False)))
+                   bool(block.get("key_shift", False)), *_window(block, bits))
 
     @classmethod
     def from_config(cls, config) -> ConfigBlock:
@@ -146,6 +156,11 @@ class ConfigBlock:
     @property
     def format(self) -> str:
         return "rank" if self.k_bits is None else "bits"
+
+    @property
+    def windowed(self) -> bool:
+        """Some tokens are also kept whole (a windowed bits export)."""
+        return bool(self.sinks or self.window)
 
     def layers(self, num_heads: int, num_kv_heads: int, num_layers: int | None = None) -> list[LayerDims]:
         """Every layer's widths; ValueError (with the fix) when they do not fit the model's head counts."""
@@ -173,10 +188,28 @@ class ConfigBlock:
             out.append(tuple(bands_from_bits(list(h), self.band_scale) for h in heads))
         return tuple(out)
 
-    def bytes_per_token(self, element_size: int = 2) -> int:
-        """Cached bytes per token over every layer, keys and values (element_size: see LayerDims.row_bytes)."""
-        return sum(sum(LayerDims(tuple(k), tuple(v), 1, *self._bands(i)).row_bytes(element_size))
-                   for i, (k, v) in enumerate(zip(self.d_k, self.d_v, strict=True)))
+    def bytes_per_token(self, element_size: int = 2, context: int | None = None) -> float:
+        """Cached bytes per token over every layer, keys and values (element_size: see LayerDims.row_bytes; for a
+        windowed export also the bytes of a whole row). A windowed export holds every token's codes, its first
+        `sinks` tokens' whole rows and its last `window` ones' (a token can be both while the context is shorter
+        than sinks + window), so its bytes per token depend on the `context` (required then)."""
+        coded = sum(sum(LayerDims(tuple(k), tuple(v), 1, *self._bands(i)).row_bytes(element_size))
+                    for i, (k, v) in enumerate(zip(self.d_k, self.d_v, strict=True)))
+        if not self.windowed:
+            return coded
+        if context is None:
+            raise ValueError("a windowed export's bytes per token depend on the context: give one")
+        whole = sum(sum(k) + sum(v) for k, v in zip(self.d_k, self.d_v, strict=True)) * element_size
+        return coded + whole * (min(context, self.sinks) + min(context, self.window)) / context
+
+
+def _window(block: dict, bits: bool) -> tuple[int, int]:
+    """(sinks, window) of a config block; ValueError (with the fix) when they are not counts of a bits export."""
+    sinks, window = block.get("sinks", 0), block.get("window", 0)
+    if not all(isinstance(n, int) and n >= 0 for n in (sinks, window)) or (not bits and (sinks or window)):
+        raise ValueError(f"config.json kvfold block: sinks {sinks!r} and window {window!r} must be counts of tokens "
+                         "of a bits-format export; re-export the model")
+    return sinks, window
 
 
 def model_dims(config) -> list[LayerDims]:

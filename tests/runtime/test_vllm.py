@@ -161,6 +161,17 @@ def _band_table_off_by_a_dim(folder):
     (folder / "kvfold.json").write_text(json.dumps(manifest))
 
 
+def _windowed(folder):
+    """A windowed bits export (issue 51): config.json's block keeps 4 sink and 64 recent tokens whole, its sha256
+    in the manifest updated."""
+    config = json.loads((folder / "config.json").read_text())
+    config["kvfold"] |= {"sinks": 4, "window": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((folder / "kvfold.json").read_text())
+    manifest["files"]["config.json"] = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+    (folder / "kvfold.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize(("case", "expected"), [
     ("flipped byte", "model.safetensors differs from the manifest (sha256)"),
     ("future schema", "kvfold schema version '2.0' is not 1.x"),
@@ -169,6 +180,8 @@ def _band_table_off_by_a_dim(folder):
     ("bits with fp8", "kv_cache_dtype='fp8' would quantize those bytes again: serve it with kv_cache_dtype='auto'"),
     ("bits table vs tensors", "model.layers.0.self_attn.kvfold_k_post has shape [16, 28], config.json's kvfold band "
                               "table (k_bits / v_bits) gives [16, 27]"),
+    ("windowed bits", "keeps its first 4 and last 64 tokens whole (a windowed bits export), which this "
+                      "kvfold-runtime serves in transformers only"),
 ])
 def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_bits_exports, tmp_path, case, expected):
     base = tiny_exports["LlamaForCausalLM", "uneven"].path
@@ -178,7 +191,8 @@ def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_bits_exp
             "edited rank": lambda: _tampered(base, tmp_path / "x", _edited_rank),
             "gemma2": lambda: tiny_exports["Gemma2ForCausalLM", "full"].path,
             "bits with fp8": lambda: bits,
-            "bits table vs tensors": lambda: _tampered(bits, tmp_path / "x", _band_table_off_by_a_dim)}[case]()
+            "bits table vs tensors": lambda: _tampered(bits, tmp_path / "x", _band_table_off_by_a_dim),
+            "windowed bits": lambda: _tampered(bits, tmp_path / "x", _windowed)}[case]()
     # refuse() logs the line through vLLM's logger in whichever process builds the model: one case in the
     # processes `vllm serve` runs (the engine core's worker), the others in this one (~20 s less each)
     got = run_engine(path, _prompts(1), max_tokens=2, kv_cache_dtype="fp8" if case == "bits with fp8" else "auto",

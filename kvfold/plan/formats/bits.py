@@ -80,7 +80,8 @@ class BitsFormat(CacheFormat):
     def rule(self, recipe, r, r_v, multipliers):
         from kvfold.plan.bits import BitRule
 
-        return BitRule(theta_k=r, theta_v=r_v, align=recipe.band_align, **multipliers)
+        return BitRule(theta_k=r, theta_v=r_v, align=recipe.band_align, sinks=recipe.sinks, window=recipe.window,
+                       **multipliers)
 
     def plan(self, bases, rule):
         from kvfold.plan.bits import plan_bits

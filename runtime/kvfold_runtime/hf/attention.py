@@ -22,7 +22,9 @@ from transformers.pytorch_utils import Conv1D
 from kvfold_runtime.families import Family
 from kvfold_runtime.format import K_POST, K_SHIFT, Q_POST, LayerDims
 from kvfold_runtime.kernels.dispatch import attention
+from kvfold_runtime.hf.window_cache import window_layer
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
+from kvfold_runtime.kernels.torch_window import window_attention
 
 __all__ = ["KVFoldAttention"]
 
@@ -37,9 +39,10 @@ def _projection(old: nn.Module, n_in: int, n_out: int, conv1d: bool) -> nn.Modul
 
 class KVFoldAttention(nn.Module):
     def __init__(self, hf_attn: nn.Module, family: Family, dims: LayerDims, head_dim: int,
-                 key_shift: bool = False) -> None:
+                 key_shift: bool = False, window: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
         self.family, self.dims, self.head_dim = family, dims, head_dim
+        self.sinks, self.window = window  # a windowed bits export's whole tokens (kernels/torch_window.py)
         self.layer_idx = hf_attn.layer_idx
         self.is_causal = True
         self.num_heads = dims.group * dims.num_kv_heads
@@ -101,20 +104,52 @@ class KVFoldAttention(nn.Module):
             ks.append(k[:, g] @ bk[g])  # [B, T, w]
         return torch.cat(qs, -1), torch.cat(ks, -1)
 
-    def _cached(self, k: torch.Tensor, v: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cached(self, k: torch.Tensor, v: torch.Tensor, cache) -> tuple[torch.Tensor, ...]:
         """Append this step's k', v' [B, 1, T, Σ_g d] to the cache (if any) and return every cached token's. A
         bits-format layer stores the band codes and scales (uint8 rows, kvfold_runtime.bands) and reads
-        them back dequantized, so attention sees exactly what the cache holds."""
+        them back dequantized, so attention sees exactly what the cache holds. A windowed one also returns the
+        keys and values with its whole tokens' rows in place (`_whole`): (k, v, k coded, v coded)."""
         if not self.dims.banded:
             return (k, v) if cache is None else cache.update(k, v, self.layer_idx)
         dk, dv = self.dims.d_k, self.dims.d_v
         # encode_rows / decode_rows: bands.encode_heads' bytes and decode_heads' values, table-driven (and in C on
         # a CPU): a generated token's step reads every cached row back
         k_rows, v_rows = encode_rows(k, dk, self.dims.k_bands), encode_rows(v, dv, self.dims.v_bands)
+        layer = None
         if cache is not None:  # without a cache (use_cache=False) attention still reads the stored form
+            if self.sinks or self.window:
+                layer = window_layer(cache, self.layer_idx, self.sinks, self.window)
+            start = cache.get_seq_length(self.layer_idx)
             k_rows, v_rows = cache.update(k_rows, v_rows, self.layer_idx)
-        return decode_rows(k_rows, dk, self.dims.k_bands, k.dtype), decode_rows(v_rows, dv, self.dims.v_bands,
-                                                                                  v.dtype)
+        k_hat = decode_rows(k_rows, dk, self.dims.k_bands, k.dtype)
+        v_hat = decode_rows(v_rows, dv, self.dims.v_bands, v.dtype)
+        if not (self.sinks or self.window):
+            return k_hat, v_hat
+        t = k.shape[2]
+        if layer is None:
+            whole_k, whole_v, recent_k, recent_v, first = k[:, :, :self.sinks], v[:, :, :self.sinks], k, v, 0
+        else:
+            recent_k, recent_v, first = layer.keep(k, v, start)
+            whole_k, whole_v = layer.whole_k, layer.whole_v
+        return (self._whole(k_hat, whole_k, recent_k, first, t), self._whole(v_hat, whole_v, recent_v, first, t),
+                k_hat, v_hat)
+
+    def _whole(self, coded: torch.Tensor, sinks: torch.Tensor, recent: torch.Tensor, first: int,
+               t: int) -> torch.Tensor:
+        """`coded` [B, 1, S, Σ_g d] with the rows a step of `t` queries may read whole put back: the sinks, and the
+        recent rows (from position `first`) from the first any query's window reaches."""
+        out = coded.clone()
+        s = out.shape[2]
+        out[:, :, :sinks.shape[2]] = sinks
+        lo = max(first, s - t - self.window + 1)
+        if self.window and lo < s:
+            out[:, :, lo:] = recent[:, :, lo - first:]
+        return out
+
+    def _per_row(self, t: int, s: int) -> bool:
+        """Whether query rows read different tokens whole: some token past the sinks is inside the first query's
+        window and outside the last one's (kernels/torch_window.py)."""
+        return t > 1 and self.window > 0 and max(self.sinks, s - t - self.window + 1) < s - self.window
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -129,9 +164,15 @@ class KVFoldAttention(nn.Module):
             if self.layer_idx < len(layers) and not isinstance(layers[self.layer_idx], DynamicLayer):
                 raise ValueError("kvfold exports store packed, per-head-width keys; use the default DynamicCache "
                                  f"(got {type(layers[self.layer_idx]).__name__}: remove cache_implementation)")
-        k, v = self._cached(k, v, past_key_values)
-        out = attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
-                             scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
+        cached = self._cached(k, v, past_key_values)
+        if len(cached) == 4 and self._per_row(q.shape[1], cached[2].shape[2]):
+            out = window_attention(q, *(x[:, 0] for x in cached), list(self.dims.d_k), list(self.dims.d_v),
+                                   self.dims.group, scaling=self.scaling, sinks=self.sinks, window=self.window,
+                                   mask=attention_mask)
+        else:  # every query reads the same tokens whole (or none): their rows are in place, one attention call
+            k, v = cached[:2]
+            out = attention(q, k[:, 0], v[:, 0], list(self.dims.d_k), list(self.dims.d_v), self.dims.group,
+                            scaling=self.scaling, mask=attention_mask, softcap=self.softcap)
         out = getattr(self, self.family.o_proj)(out)
         if self.family.resid_dropout:
             out = self.resid_dropout(out)

@@ -39,12 +39,13 @@ __all__ = ["export_config_class", "register", "runtime_class"]
 def _compress_attention(model, family: Family) -> None:
     attention_cls = getattr(importlib.import_module(family.module), family.attention)
     dims, d = model_dims(model.config), head_dim(model.config)
-    shift = ConfigBlock.from_config(model.config).key_shift
+    block = ConfigBlock.from_config(model.config)
+    shift, window = block.key_shift, (block.sinks, block.window)
     found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, attention_cls):
-                setattr(parent, name, KVFoldAttention(child, family, dims[child.layer_idx], d, shift))
+                setattr(parent, name, KVFoldAttention(child, family, dims[child.layer_idx], d, shift, window))
                 found += 1
     assert found == len(dims), f"{family.attention}: found {found} attention modules, config lists {len(dims)}"
 

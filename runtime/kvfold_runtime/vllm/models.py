@@ -54,6 +54,11 @@ def _check(vllm_config) -> None:
         check_tensor_parallel(dims, vllm_config.parallel_config.tensor_parallel_size, manifest.get("tensor_parallel"))
     except ValueError as e:
         raise refuse(str(e)) from None
+    block = ConfigBlock.from_config(model_config.hf_config)
+    if block.windowed:
+        raise refuse(f"this export keeps its first {block.sinks} and last {block.window} tokens whole (a windowed "
+                     "bits export), which this kvfold-runtime serves in transformers only; serve it there, or "
+                     "re-export without --window for vLLM")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if any(d.banded for d in dims) and cache_dtype != "auto":
         raise refuse(f"a bits-format export's cache stores its band codes and scales as they are; "
