@@ -44,8 +44,9 @@ from kvfold.plan.formats.bits import ALIGN, V_SCALE  # the bands' alignment and 
 from kvfold.plan.ranks import RankPlan, factors_for
 from kvfold_runtime import BAND_SCALES, BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
-__all__ = ["ALIGN", "KEY_MIN_BITS", "SCALE", "V_SCALE", "WINDOW_CONTEXT", "BitPlan", "BitRule", "band_mixer", "bit_factors",
-           "bits_basis", "check_align", "dim_bits", "modelled_distortion", "plan_bits", "theta_for_mean_bits"]
+__all__ = ["ALIGN", "KEY_MIN_BITS", "SCALE", "V_SCALE", "WINDOW_CONTEXT", "BitPlan", "BitRule", "band_mixer",
+           "bit_factors", "bits_basis", "check_align", "dim_bits", "modelled_distortion", "plan_bits",
+           "theta_for_mean_bits"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same

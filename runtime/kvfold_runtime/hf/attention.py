@@ -21,8 +21,8 @@ from transformers.pytorch_utils import Conv1D
 
 from kvfold_runtime.families import Family
 from kvfold_runtime.format import K_POST, K_SHIFT, Q_POST, LayerDims
-from kvfold_runtime.kernels.dispatch import attention
 from kvfold_runtime.hf.window_cache import window_layer
+from kvfold_runtime.kernels.dispatch import attention
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_window import window_attention
 

@@ -17,7 +17,7 @@ import torch
 
 from kvfold_runtime.kernels.masks import additive, head_mask
 
-__all__ = ["window_attention", "whole_mask"]
+__all__ = ["whole_mask", "window_attention"]
 
 _ROWS = 256  # query rows per block of the several-row path
 
