@@ -122,6 +122,11 @@ def export(
                                                    "anywhere (the older allocation) "
                                                    f"{_by_format('band_align_default')}.")
                           ] = None,
+    search_context: Annotated[int | None, typer.Option(help="Score every candidate in windows of this many tokens; "
+                                                       "long context: 4096 with --score-from 1024 "
+                                                       f"{_default('search_context')}.")] = None,
+    score_from: Annotated[int | None, typer.Option(help="Score each window's predictions from this position on "
+                                                   f"{_default('score_from')}.")] = None,
     sinks: Annotated[int | None, typer.Option(help="Bits format: keep every layer's first SINKS tokens whole too "
                                               "(attention sinks); served by transformers, not yet by vLLM "
                                               f"{_default('sinks')}.")] = None,
@@ -156,7 +161,8 @@ def export(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
             search_steps=search_steps,
-            format=format, band_align=band_align, sinks=sinks, window=window, context=context, dtype=dtype,
+            format=format, band_align=band_align, sinks=sinks, window=window, search_context=search_context,
+            score_from=score_from, context=context, dtype=dtype,
             passkey=passkey, tp=tp))
         t0 = time.monotonic()
         result = api.export(model, calib, output, options, reuse_curve=reuse_curve, force=force, device=device,
@@ -173,8 +179,12 @@ def verify(
     eval_text: Annotated[list[str] | None, typer.Option(help="Held-out text to compare on; repeat for several "
                                                         "[wiki:eval and pydoc:eval].")] = None,
     eval_tokens: Annotated[int, typer.Option(help="Tokens of each --eval-text to compare on.")] = 16384,
-    context: Annotated[int, typer.Option(help="Window length the texts are scored in (export's search: 512); "
-                                              "longer windows test the cache at long context.")] = 512,
+    context: Annotated[int | None, typer.Option(help="Window length the texts are scored in; longer windows test "
+                                                     "the cache at long context [the export's search windows: 512, "
+                                                     "or its --search-context].")] = None,
+    score_from: Annotated[int | None, typer.Option(help="Score each window from this position on [the export's "
+                                                        "--score-from where the windows are its search's, else "
+                                                        "1].")] = None,
     passkey: Annotated[int, typer.Option(help="Passkey retrieval in prompts of this many tokens: the export must "
                                               "retrieve as many keys as the original (0: skip).")] = 4096,
     new_tokens: Annotated[int, typer.Option(help="Greedy tokens both models generate from each of a few prompts "
@@ -192,7 +202,7 @@ def verify(
     with user_errors():
         report = api.verify(export_dir, against=against, eval_texts=eval_text or api.DEFAULT_TEXTS,
                             eval_tokens=eval_tokens, context=context, passkey=passkey, dtype=dtype,
-                            device=device, new_tokens=new_tokens, device_map=device_map)
+                            device=device, new_tokens=new_tokens, device_map=device_map, score_from=score_from)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -97,3 +97,12 @@ def test_tp_balances_every_layer_over_the_ranks_and_is_recorded(setup, tmp_path)
 ])
 def test_tp_bad_input(setup, tmp_path, flags, message):
     assert_user_error(_export(setup, tmp_path / "x", "--accuracy", 0.9, *flags), message, tmp_path / "x")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--search-context", 256, "--score-from", 256], "--score-from must be less than --search-context (256 tokens)"),
+    (["--window", 8], "--sinks and --window keep tokens whole beside the bits format's codes"),
+])
+def test_long_context_search_bad_input(setup, tmp_path, flags, message):
+    """The search's windows (--search-context, --score-from) and a windowed cache (--sinks, --window, bits only)."""
+    assert_user_error(_export(setup, tmp_path / "x", "--accuracy", 0.9, *flags), message, tmp_path / "x")

@@ -280,21 +280,23 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
 
 
 def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs, exported, tmp_path):
-    """export --format bits --sinks 2 --window 8 (issue 51): searched on the cache that keeps those tokens whole, the
-    two counts in the manifest and config.json, its compression stated at 4,096 tokens with the whole rows counted;
-    verify passes on the served model, whose live cache holds the codes of every token and the whole rows of the
-    first 2 and last 8 (in float32: verify's dtype). The rank format and vLLM refuse the flags (one line)."""
+    """export --format bits --sinks 2 --window 8 (issue 51): searched on the cache that keeps those tokens whole, in
+    128-token windows scored from position 48 on (--search-context, --score-from); the counts in the manifest and
+    config.json, its compression stated at 4,096 tokens with the whole rows counted; verify passes on the served
+    model, scoring the search's windows by default, whose live cache holds the codes of every token and the whole
+    rows of the first 2 and last 8 (in float32: verify's dtype). The rank format refuses the flags (one line)."""
     from dataclasses import replace
 
     from kvfold.checkpoint.manifest import Manifest
 
     calib, out = exported[0].parent / "calib", tmp_path / "windowed"
     result = run("export", tiny_dirs[LLAMA], "--calib", calib, "--eval-text", exported[1], "--eval-tokens", 1024,
-                 "--accuracy", 0.9, "--format", "bits", "--passkey", 0, "--sinks", 2, "--window", 8, "-o", out)
+                 "--accuracy", 0.9, "--format", "bits", "--passkey", 0, "--sinks", 2, "--window", 8,
+                 "--search-context", 128, "--score-from", 48, "-o", out)
     assert result.exit_code == 0, result.output
     m = Manifest.load(out)
     block = m.config_block()
-    assert (m.sinks, m.window) == (2, 8) and block.windowed
+    assert (m.sinks, m.window, m.search_context, m.score_from) == (2, 8, 128, 48) and block.windowed
     assert {k: json.loads((out / "config.json").read_text())["kvfold"][k] for k in ("sinks", "window")} == \
         {"sinks": 2, "window": 8}
     fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)
@@ -302,6 +304,7 @@ def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs,
     done = run("verify", out, "--eval-text", exported[1], "--eval-tokens", 1024, "--json")
     report = json.loads(done.stdout)
     assert report["ok"], report["checks"]
+    assert {(t["context"], t["score_from"]) for t in report["texts"]} == {(128, 48)}  # the search's windows
     coded = replace(block, sinks=0, window=0).bytes_per_token()
     whole = 4 * (sum(map(sum, m.d_k)) + sum(map(sum, m.d_v)))
     tokens = 128  # verify's live-cache prompt (serving.KV_BYTES_TOKENS)

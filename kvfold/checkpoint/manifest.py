@@ -43,7 +43,8 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # (one-byte log8; before, float16). 1.7: `tensor_parallel`, the tensor-parallel size the widths were balanced for.
 # 1.8: the keys' shift (`kvfold_k_shift` in extra_tensors; config.json's kvfold block says `key_shift`). 1.9: a bits
 # export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`). 1.10: a windowed bits export's
-# whole tokens (`sinks`, `window`; config.json's kvfold block says them too; absent: 0). Without a version of its own
+# whole tokens (`sinks`, `window`; config.json's kvfold block says them too; absent: 0), and the search's windows
+# (`search_context` tokens, scored from `score_from` on; absent: 512 and 1). Without a version of its own
 # (no runtime reads it, and no rank or bits export writes it): `format`, the cache format (`Manifest.format`).
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
@@ -115,6 +116,8 @@ class Manifest(_Frozen):
     margin: float = 0.0  # standard errors every bound was checked at
     eval_text: str
     eval_tokens: int
+    search_context: int = 512  # the search's windows (tokens) and the position each is scored from (before 1.10:
+    score_from: int = 1  # 512 and 1)
     baseline_top1: float
     baseline_ppl: float
     rounding_multiple: int
@@ -178,6 +181,7 @@ class Manifest(_Frozen):
             transformers_version=transformers.__version__, source=source, calibration=calibration,
             method=plan.method, metric=plan.metric, **_target_fields(plan.target, plan.ratio),
             eval_text=plan.baseline.eval_text, eval_tokens=plan.baseline.eval_tokens,
+            search_context=plan.baseline.context, score_from=plan.baseline.score_from,
             baseline_top1=plan.baseline.top1, baseline_ppl=plan.baseline.ppl,
             rounding_multiple=multiple, min_rank=min_rank, allocation=plan.allocation,
             tensor_parallel=plan.rule.tp if isinstance(plan.rule, RankRule) else 1,
@@ -200,7 +204,8 @@ class Manifest(_Frozen):
             format=self.format or self.config_block().format, band_scale=self.band_scale if bits else None,
             search_dtype=self.search_dtype, positions=self.positions, scales=self.layer_scales(),
             curve=tuple(self.curve), passkey=self.passkey,
-            baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl),
+            baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl,
+                              self.search_context, self.score_from),
             window=(self.sinks, self.window))
 
     def layer_scales(self) -> LayerScales | HeadScales | None:

@@ -70,13 +70,15 @@ class Evaluator:
     probes need top-1 and NLL only)."""
 
     def __init__(self, model: nn.Module, adapter: Adapter, windows: Sequences, batch: int = 4, *,
-                 replay: bool = False, compare: bool = True) -> None:
+                 replay: bool = False, compare: bool = True, start: int = 1) -> None:
         self.model, self.adapter, self.windows, self.batch = model, adapter, windows, batch
+        self.start = start  # each window's predictions scored from this position on (score_model)
         self.reference = Reference([], []) if compare else None
         self._layers = adapter.decoder_layers(model)
         self._outputs: list[list] | None = [[] for _ in self._layers] if replay else None  # [layer][batch]
         with _recorded(self._layers, self._outputs):
-            self.baseline = score_model(model, windows, batch, keep=self.reference, description="scoring the original")
+            self.baseline = score_model(model, windows, batch, keep=self.reference, description="scoring the original",
+                                        start=start)
 
     def score(self, factors: list[LayerFactors] | None, compare: bool = True) -> Metrics:
         """compare=False: top-1 and NLL only (the sensitivity probes need no agreement or KL)."""
@@ -96,7 +98,7 @@ class Evaluator:
         start = min(patches, default=len(self._layers)) if self._outputs is not None else 0
         with patched(self.model, self.adapter, patches), _replayed(self._layers[:start], self._outputs):
             return score_model(self.model, self.windows, self.batch, against=self.reference if compare else None,
-                               description="scoring a compression")
+                               description="scoring a compression", start=self.start)
 
 
 @contextmanager

@@ -32,6 +32,8 @@ class Baseline:
     eval_tokens: int
     top1: float
     ppl: float
+    context: int = 512  # the windows' length (tokens)
+    score_from: int = 1  # each window's predictions scored from this position on
 
 
 @dataclass(frozen=True)

@@ -108,13 +108,14 @@ def _rule(recipe: Recipe, scales: LayerScales | HeadScales | None, r: float, r_v
 
 
 def _windows(inputs: ExportInputs, target: Target | None) -> Sequences:
-    """The 512-token windows of the evaluation text that every candidate is scored on."""
+    """The windows of the evaluation text that every candidate is scored on (--search-context tokens each)."""
     recipe = inputs.recipe
-    windows = text_sequences(load_tokenizer(inputs.ref.path), inputs.docs, recipe.eval_tokens, 512, seed=0)
+    n = recipe.search_context
+    windows = text_sequences(load_tokenizer(inputs.ref.path), inputs.docs, recipe.eval_tokens, n, seed=0)
     texts = max(1, len(set(windows.parts)))
     if target is not None and target.needs_se() and len(windows.ids) < 2 * texts:
         raise KVFoldError(f"--margin needs a standard error on each text, and {recipe.eval_text} gives fewer "
-                          f"than two 512-token windows per text; raise --eval-tokens to {1024 * texts} or "
+                          f"than two {n}-token windows per text; raise --eval-tokens to {2 * n * texts} or "
                           "more, or pass --margin 0")
     return windows
 
@@ -128,8 +129,9 @@ def _layer_scales(inputs: ExportInputs, fmt: CacheFormat, bases: list[LayerBasis
         return None
     if inputs.previous is not None:
         return inputs.previous.scales
-    n = max(1, -(-recipe.sensitivity_tokens // 512))  # whole 512-token windows from the start of the text
-    probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True, compare=fmt.sensitivity_compares)
+    n = max(1, -(-recipe.sensitivity_tokens // recipe.search_context))  # whole windows from the text's start
+    probe = Evaluator(net, inputs.ref.adapter, windows.head(n), replay=True, compare=fmt.sensitivity_compares,
+                      start=recipe.score_from)
     return fmt.sensitivity(bases, probe, recipe, log)
 
 
@@ -139,9 +141,10 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
     the chosen point only if it retrieves the original's pass keys (plan/longrange.py)."""
     recipe = inputs.recipe
     log(f"scoring the original on {windows.num_tokens} tokens of {recipe.eval_text}")
-    evaluator = Evaluator(net, inputs.ref.adapter, windows)
+    evaluator = Evaluator(net, inputs.ref.adapter, windows, start=recipe.score_from)
     base = evaluator.baseline
-    baseline = Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1, ppl=base.ppl)
+    baseline = Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1, ppl=base.ppl,
+                        context=recipe.search_context, score_from=recipe.score_from)
     if target is None:
         best, curve = for_compression(fmt, bases, evaluator, recipe.ratio, rule)
         return _Found(best, tuple(curve), baseline, None, net)

@@ -37,6 +37,11 @@ class Recipe(BaseModel):
     # the other (README "Accuracy out of domain")
     eval_text: str = "wiki:dev+pydoc:dev"
     eval_tokens: int = Field(default=16384, ge=1)  # ±0.4% standard error on SmolLM2 top-1 ratio
+    # The windows every candidate is scored on: `search_context` tokens each, every prediction from position
+    # `score_from` on. Long context (issue 51): --search-context 4096 --score-from 1024, so that a cache's recent
+    # window (--window) cannot hide the error of its history. 512 and 1: short-context serving (the default).
+    search_context: int = Field(default=512, ge=16)
+    score_from: int = Field(default=1, ge=1)
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
     # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's (plan/formats;
@@ -121,6 +126,8 @@ class Recipe(BaseModel):
             raise ValueError("give exactly one of accuracy, ratio or max_kl")
         if (self.metric == "kl") != (self.max_kl is not None) and self.ratio is None:
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
+        if self.score_from >= self.search_context:
+            raise ValueError(f"--score-from must be less than --search-context ({self.search_context} tokens)")
         if 0 < self.passkey < 256:
             raise ValueError("passkey must be 0 (skip) or at least 256 tokens")
         get_format(self.format).check(self)  # what this format refuses (bits: --tp, --ratio; rank: --band-align)

@@ -56,6 +56,8 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         ("band scale format", prev.band_scale, get_format(recipe.format).band_scale),
         ("--dtype", prev.search_dtype, recipe.dtype),
         ("--sinks / --window", prev.window, (recipe.sinks, recipe.window)),
+        ("--search-context / --score-from", (prev.baseline.context, prev.baseline.score_from),
+         (recipe.search_context, recipe.score_from)),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

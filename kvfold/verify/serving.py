@@ -115,8 +115,10 @@ def _forced_agreement(model, prompt: torch.Tensor, continuation: list[int]) -> l
 
 def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: VerifyReport, eval_texts: list[str],
                    eval_tokens: int, context: int = SEARCH_CONTEXT, passkey: int = 0, new_tokens: int = 32,
-                   dtype: str = "float32", device: str = "cpu", device_map: str | None = None) -> None:
-    """Fill `report` with the served export's figures and checks: windows of `context` tokens, passkey
+                   dtype: str = "float32", device: str = "cpu", device_map: str | None = None,
+                   score_from: int = 1) -> None:
+    """Fill `report` with the served export's figures and checks: windows of `context` tokens scored from position
+    `score_from` on, passkey
     prompts of `passkey` tokens (0: none); both models run in `dtype` on `device` (with `device_map`, each placed
     by accelerate)."""
     if weights_sha256(against.path) != m.source.weights_sha256:
@@ -138,14 +140,16 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
         first = first or windows
         reference = Reference([], [])
         batch = max(1, 2048 // context)  # the logits of 2,048 tokens at a time (400 MB at SmolLM2's vocabulary)
-        base = score_model(original, windows, batch, keep=reference, description=f"{text}: the original")
+        base = score_model(original, windows, batch, keep=reference, description=f"{text}: the original",
+                           start=score_from)
         point = Point.measured(0.0, 0.0, m.chosen.compression, score_model(
-            served, windows, batch, against=reference, description=f"{text}: the export"), base)
-        report.texts.append({"eval_text": text, "context": context, "tokens": base.tokens, "baseline_top1": base.top1,
+            served, windows, batch, against=reference, description=f"{text}: the export", start=score_from), base)
+        report.texts.append({"eval_text": text, "context": context, "score_from": score_from, "tokens": base.tokens,
+                             "baseline_top1": base.top1,
                              "baseline_ppl": base.ppl, **{k: v for k, v in asdict(point).items()
                                                           if k not in ("r_k", "r_v", "compression")}})
         # The recorded figures are reproducible only from the search's windows, run in the search's dtype.
-        same = context == SEARCH_CONTEXT and dtype == m.search_dtype
+        same = (context, score_from, dtype) == (m.search_context, m.score_from, m.search_dtype)
         report.checks.append(_fidelity(m, text, base.tokens, point, same_windows=same))
     if passkey:
         _passkey(tokenizer, original, served, passkey, report)
