@@ -25,10 +25,19 @@ def calib_summary(result) -> str:
 def export_summary(result) -> str:
     m, c = result.manifest, result.manifest.chosen
     return (f"exported {m.source.spec} ({m.method}) -> {result.output}: KV cache {1 - c.compression:.1%} of the "
-            f"original (p = {c.compression:.3f}); on {m.eval_text} ({m.eval_tokens} tokens): top-1 ratio "
+            f"original (p = {c.compression:.3f}){_windowed(m)}; on {m.eval_text} ({m.eval_tokens} tokens): top-1 ratio "
             f"{c.top1_ratio:.4f} ± {c.top1_se:.4f}, perplexity ratio {c.ppl_ratio:.4f} ± {c.ppl_se:.4f}, top-1 "
             f"agreement {c.agreement:.4f}, mean KL {c.kl:.5f} nats (p99 {c.kl_p99:.4f}); target: {m.target}; "
             f"{len(m.curve)} points on the curve")
+
+
+def _windowed(m) -> str:
+    """A windowed export's whole tokens, and its bytes at 32K beside the 4,096 tokens `p` is stated at."""
+    if not (m.sinks or m.window):
+        return ""
+    fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)
+    at_32k = m.config_block().bytes_per_token(context=32768) / fp16
+    return f" at 4,096 tokens with the first {m.sinks} and last {m.window} kept whole ({at_32k:.1%} at 32K)"
 
 
 def spectrum_table(header: CalibHeader, rows: list[LayerSpectrum]) -> Table:
