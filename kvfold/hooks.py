@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -57,9 +58,15 @@ def exact_recent_attention(query: torch.Tensor, exact: tuple[torch.Tensor, torch
     [B, H, T, d], keys and values [B, H_kv, T, d] (GQA: query head h reads KV head h // (H / H_kv)) -> [B, T, H, d],
     as transformers' attention functions return it; scores times `scaling`, float32 softmax."""
     group = query.shape[1] // exact[0].shape[1]
+    t = query.shape[2]
+    if window == 0 or window >= t:  # every query reads the same tokens whole: one causal attention on a mixed cache
+        whole = torch.arange(t, device=query.device) < (t if window else sinks)
+        k, v = (torch.where(whole[:, None], w, c).repeat_interleave(group, dim=1).float()
+                for w, c in zip(exact, cached, strict=True))
+        out = F.scaled_dot_product_attention(query.float(), k, v, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).to(query.dtype)
     k0, v0, k1, v1 = (x.repeat_interleave(group, dim=1).float() for x in (*exact, *cached))
     q = query.float() * scaling
-    t = query.shape[2]
     j = torch.arange(t, device=query.device)
     out = []
     for at in range(0, t, _ROWS):

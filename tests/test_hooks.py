@@ -129,9 +129,11 @@ def test_rope_archs_listed():
     assert set(ROPE_ARCHS) == {a for a in TINY_CONFIGS if get_adapter(a).rope}
 
 
-def test_exact_recent_attention_reads_sinks_and_the_window_whole():
+@pytest.mark.parametrize(("sinks", "window"), [(3, 4), (3, 0), (0, 30)])
+def test_exact_recent_attention_reads_sinks_and_the_window_whole(sinks, window):
     """Against a per-query loop: query i reads key/value j from the whole tensors where j < sinks or i − j <
-    window, else from the cached ones (GQA: 4 query heads over 2 KV heads), across row blocks."""
+    window, else from the cached ones (GQA: 4 query heads over 2 KV heads), across row blocks; with no window, or
+    one past the sequence, every query reads the same tokens whole (one attention call on a mixed cache)."""
     import kvfold.hooks as hooks
 
     g = torch.Generator().manual_seed(0)
@@ -140,12 +142,12 @@ def test_exact_recent_attention_reads_sinks_and_the_window_whole():
     k0, v0, k1, v1 = (torch.randn(b, hk, t, d, generator=g, dtype=torch.float64) for _ in range(4))
     rows, hooks._ROWS = hooks._ROWS, 5  # several row blocks
     try:
-        got = hooks.exact_recent_attention(q, (k0, v0), (k1, v1), sinks=3, window=4, scaling=d ** -0.5)
+        got = hooks.exact_recent_attention(q, (k0, v0), (k1, v1), sinks=sinks, window=window, scaling=d ** -0.5)
     finally:
         hooks._ROWS = rows
     want = torch.zeros(b, t, h, d, dtype=torch.float64)
     for i in range(t):
-        whole = [j < 3 or i - j < 4 for j in range(i + 1)]
+        whole = [j < sinks or i - j < window for j in range(i + 1)]
         for head in range(h):
             kv = head // (h // hk)
             k = torch.stack([(k0 if w else k1)[:, kv, j] for j, w in enumerate(whole)], 1)
