@@ -9,6 +9,9 @@ Decoding one token, the whole tokens are the same for every query row: their exa
 one ordinary attention call runs (kernels.dispatch.attention). For several query rows each row's window differs, so
 both score matrices are formed per block of rows and each entry taken from one of them (plain torch, `_ROWS` rows at a
 time: two [B, group, rows, S] blocks per KV head).
+
+Positions are cache slots: in a left-padded batch a row's first slots are padding (masked), so that row keeps fewer
+real tokens whole as sinks than a row without padding.
 """
 
 from __future__ import annotations
