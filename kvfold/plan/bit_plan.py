@@ -64,7 +64,7 @@ class BitPlan:
     # A windowed plan (issue 51) also keeps every layer's first `sinks` and last `window` tokens whole (2 bytes a
     # number, as fp16's): a query reads them whole and every other token from its codes (kvfold.hooks.AttentionPatch
     # .exact, kvfold_runtime's torch_window). Its bytes per token then depend on the context; they are stated at
-    # WINDOW_CONTEXT tokens (the pass-key check's) and in the manifest at 32K too.
+    # WINDOW_CONTEXT tokens (the pass-key check's; export's summary also gives them at 32K).
     sinks: int = 0
     window: int = 0
 
@@ -91,8 +91,7 @@ class BitPlan:
     def bytes_per_token(self, context: int | None = None) -> float:
         """Cached bytes per token, every layer's keys and values: codes and scales (the runtime's row layout), and
         for a windowed plan its whole rows at 2 bytes a number over `context` tokens [WINDOW_CONTEXT]."""
-        block = self.config_block()
-        return block.bytes_per_token(context=context or WINDOW_CONTEXT) if block.windowed else block.bytes_per_token()
+        return self.config_block().bytes_per_token(context=context or WINDOW_CONTEXT)  # read by a windowed plan only
 
     @property
     def compression(self) -> float:
