@@ -1,0 +1,110 @@
+"""Paged attention of a windowed bits layer (issue 51): band codes in the paged cache, whole rows in a ring.
+
+A windowed bits export reads cached token j at the model's dtype where j < sinks or i − j < window, for a query at
+position i, and from its band codes everywhere else (kernels.torch_window). Served from a paged cache, every token's
+codes sit in the layer's pages as for any bits layer (kernels.paged), and each request also holds one *ring* of
+sinks + window whole rows [k | v] (the packed widths of kvfold_runtime.format, in the model's dtype):
+
+  ring      [ring_blocks, sinks + window, Σd_k + Σd_v]; a request's ring is one block (`ring_blocks[r]`)
+  slot      position p < sinks at slot p, else at sinks + (p − sinks) mod window
+
+so the ring keeps the sinks and the last `window` positions written, which is everything a query of the next step
+reads whole. A step writes its tokens' codes first (the caller), then attends — the step's own whole rows come from
+its keys and values, older ones from the ring — and only then writes its rows into the ring, so a chunk longer than
+the window cannot overwrite rows its first queries still read.
+
+Each request runs on its own (plain torch, any device): its rows decoded, the whole ones put in place; where queries
+differ in which tokens they read whole (several query rows and a window), both score matrices are formed per row
+(torch_window.window_attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfold_runtime.kernels.paged import BandPages, BandRows, PrefillAttention, _gather
+from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
+from kvfold_runtime.kernels.torch_window import window_attention
+
+__all__ = ["ring_slots", "windowed_paged_attention", "write_ring"]
+
+
+def ring_slots(positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """The ring slot of each position (see the module docstring)."""
+    if window == 0:
+        return positions
+    return torch.where(positions < sinks, positions, sinks + (positions - sinks).remainder(window))
+
+
+def _positions(seq_lens: list[int], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query token of the step: its request and its absolute position (its request's last tokens)."""
+    request, position = [], []
+    for r, s in enumerate(seq_lens):
+        t = starts[r + 1] - starts[r]
+        request.append(torch.full((t,), r, dtype=torch.long))
+        position.append(torch.arange(s - t, s))
+    return torch.cat(request).to(device), torch.cat(position).to(device)
+
+
+def write_ring(ring: torch.Tensor, ring_blocks: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, *, sinks: int, window: int) -> None:
+    """Store the step's whole rows k [T, Σd_k], v [T, Σd_v] (requests as vLLM describes them: query_start_loc
+    [R + 1], seq_lens [R]) in their requests' rings: the sinks, and each request's last `window` positions."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    n = starts[-1]
+    if n == 0:
+        return
+    request, position = _positions(lens, starts, ring.device)
+    last = seq_lens.to(ring.device).long()[request]
+    keep = (position < sinks) | (position >= last - window)
+    capacity = ring.shape[-2]
+    index = ring_blocks.to(ring.device).long()[request] * capacity + ring_slots(position, sinks, window)
+    rows = ring.view(-1, ring.shape[-1])
+    rows[index[keep]] = torch.cat([k[:n], v[:n]], -1)[keep.to(k.device)].to(ring.device, ring.dtype)
+
+
+def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor,
+                             ring: torch.Tensor, ring_blocks: torch.Tensor, block_table: torch.Tensor,
+                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, codec: BandRows, *,
+                             scaling: float, sinks: int, window: int, out: torch.Tensor,
+                             prefill: PrefillAttention | None = None) -> torch.Tensor:
+    """query [T, Σ_h d_k(g(h))] -> out [T, Σ_h d_v(g(h))]: each request's queries over its cached tokens, the
+    step's codes already written to `kv` (kernels.paged's layout, rows written by `codec`), its keys `key`
+    [T, Σd_k] and values `value` [T, Σd_v] not yet in the ring (written by write_ring after this call).
+    `prefill`: a faster causal attention over decoded rows (paged_attention's), SDPA where it gives None."""
+    if isinstance(codec, BandPages):  # the GPU page layout: read as rows (a copy of the cache)
+        kv, codec = codec.as_rows(kv), BandRows(codec.dims)
+    dims = codec.dims
+    d_k, d_v = list(dims.d_k), list(dims.d_v)
+    split = sum(d_k)
+    blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
+    rings = ring.reshape(ring.shape[0], -1, ring.shape[-1])
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, s in enumerate(lens):
+        first, t = starts[r], starts[r + 1] - starts[r]
+        if t == 0:
+            continue
+        old = s - t  # tokens cached before this step
+        k, v = codec.decode(_gather(blocks, block_table[r], 0, s), query.dtype)  # [s, Σd_k], [s, Σd_v]
+        # whole rows: the sinks, and every position some query of the step reads inside its window
+        lo = max(sinks, old - window + 1) if window else s
+        positions = torch.cat([torch.arange(min(sinks, s)), torch.arange(lo, s)]).to(kv.device)
+        from_ring = positions < old
+        exact = torch.empty(positions.shape[0], ring.shape[-1], dtype=ring.dtype, device=ring.device)
+        exact[from_ring] = rings[int(ring_blocks[r])][ring_slots(positions[from_ring], sinks, window)]
+        mine = torch.cat([key[first:first + t], value[first:first + t]], -1).to(ring.dtype)
+        exact[~from_ring] = mine[positions[~from_ring] - old]
+        exact = exact.to(query.dtype)
+        q = query[first:first + t]
+        if t > 1 and window and max(sinks, lo) < s - window:  # the queries differ in which tokens they read whole
+            k_exact, v_exact = torch.zeros_like(k), torch.zeros_like(v)
+            k_exact[positions], v_exact[positions] = exact[:, :split], exact[:, split:]
+            o = window_attention(q[None], k_exact[None], v_exact[None], k[None], v[None], d_k, d_v, dims.group,
+                                 scaling=scaling, sinks=sinks, window=window)[0]
+        else:  # every query reads the same tokens whole: put them in place, one causal attention
+            k[positions], v[positions] = exact[:, :split], exact[:, split:]
+            o = None if prefill is None or t == 1 else prefill(q, k, v, d_k, d_v, dims.group, scaling=scaling)
+            if o is None:
+                o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, dims.group, scaling=scaling)[0]
+        out[first:first + t] = o.to(out.dtype)
+    return out

@@ -1,0 +1,83 @@
+"""The windowed bits format over a paged cache (vLLM's layout): band codes in the pages, each request's sinks and
+last `window` tokens whole in its ring (kernels.paged_window). Whatever way a request's tokens arrive — one prefill,
+chunks longer or shorter than the window, decodes, mixed in one batch — each query reads token j whole where
+j < sinks or i − j < window and from its codes elsewhere."""
+
+import pytest
+import torch
+
+from kvfold_runtime.bands import decode_heads, encode_heads
+from kvfold_runtime.kernels import row_codec, write_paged
+from kvfold_runtime.kernels.paged_window import ring_slots, windowed_paged_attention, write_ring
+from kvfold_runtime.kernels.reference import reference_attention
+from tests.runtime.test_paged import _banded
+
+D_K, D_V, GROUP, BS = [6, 3], [5, 8], 2, 4
+
+
+def _oracle(q, k, v, coded_k, coded_v, i, sinks, window):
+    """Query row q at position i by the definition: a row-by-row reference on keys mixed per position."""
+    whole = torch.tensor([j < sinks or i - j < window for j in range(i + 1)])[:, None]
+    keys = torch.where(whole, k[:i + 1], coded_k[:i + 1])
+    values = torch.where(whole, v[:i + 1], coded_v[:i + 1])
+    return reference_attention(q[None, None], keys[None], values[None], D_K, D_V, GROUP, scaling=0.3)[0, 0]
+
+
+@pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64)])
+def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window):
+    dims = _banded(D_K, D_V, GROUP)
+    codec = row_codec(dims)
+    g = torch.Generator().manual_seed(7)
+    # per request, the tokens each step brings (0: not in that step): one prefill then decodes; chunks of 6 and 9
+    # (longer than the window) then decodes; a short prefill arriving late
+    schedule = [[11, 1, 1, 1, 1], [6, 9, 1, 1, 1], [0, 0, 3, 1, 1]]
+    total = [sum(s) for s in schedule]
+    ks = [torch.randn(n, sum(D_K), generator=g) * 2 for n in total]
+    vs = [torch.randn(n, sum(D_V), generator=g) for n in total]
+    qs = [torch.randn(n, GROUP * sum(D_K), generator=g) for n in total]
+    k_bytes = dims.row_bytes()[0]
+    coded = []
+    for k, v in zip(ks, vs, strict=True):
+        rows = torch.cat([encode_heads(k, dims.d_k, dims.k_bands), encode_heads(v, dims.d_v, dims.v_bands)], -1)
+        coded.append((decode_heads(rows[:, :k_bytes], dims.d_k, dims.k_bands, torch.float32),
+                      decode_heads(rows[:, k_bytes:], dims.d_v, dims.v_bands, torch.float32)))
+    per = [(n + BS - 1) // BS for n in total]
+    kv = torch.full((sum(per) + 1, 1, BS, sum(dims.row_bytes())), 0xFF, dtype=torch.uint8)  # NaN bytes unwritten
+    table = torch.zeros(3, max(per), dtype=torch.int32)
+    table[0, :per[0]] = torch.arange(per[0]) + 1
+    table[1, :per[1]] = torch.arange(per[1]) + 1 + per[0]
+    table[2, :per[2]] = torch.arange(per[2]) + 1 + per[0] + per[1]
+    ring = torch.full((4, 1, sinks + window, sum(D_K) + sum(D_V)), float("nan"))
+    ring_blocks = torch.tensor([2, 0, 3])
+    done = [0, 0, 0]
+    for step in range(5):
+        reqs = [r for r in range(3) if schedule[r][step]]
+        news = [schedule[r][step] for r in reqs]
+        lens = [done[r] + n for r, n in zip(reqs, news, strict=True)]
+        starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
+        pos = [torch.arange(done[r], lens[i]) for i, r in enumerate(reqs)]
+        key = torch.cat([ks[r][p] for r, p in zip(reqs, pos, strict=True)])
+        value = torch.cat([vs[r][p] for r, p in zip(reqs, pos, strict=True)])
+        query = torch.cat([qs[r][p] for r, p in zip(reqs, pos, strict=True)])
+        slots = torch.cat([table[r, p // BS].long() * BS + p % BS for r, p in zip(reqs, pos, strict=True)])
+        write_paged(kv, slots, key, value, codec=codec)
+        out = torch.full((query.shape[0], GROUP * sum(D_V)), float("nan"))
+        seq_lens = torch.tensor(lens)
+        windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], table[reqs], seq_lens, starts,
+                                 codec, scaling=0.3, sinks=sinks, window=window, out=out)
+        write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
+        for i, r in enumerate(reqs):
+            for row, p in enumerate(pos[i].tolist()):
+                want = _oracle(qs[r][p], ks[r], vs[r], *coded[r], p, sinks, window)
+                torch.testing.assert_close(out[starts[i] + row], want, rtol=1e-5, atol=1e-5)
+            done[r] = lens[i]
+    # each ring holds its request's sinks and last `window` tokens, in their slots
+    for r in range(3):
+        positions = torch.tensor(sorted({*range(min(sinks, total[r])), *range(max(0, total[r] - window), total[r])}))
+        held = ring[int(ring_blocks[r]), 0][ring_slots(positions, sinks, window)]
+        torch.testing.assert_close(held, torch.cat([ks[r], vs[r]], -1)[positions])
+
+
+def test_ring_slots_keep_the_sinks_and_cycle_the_rest():
+    assert ring_slots(torch.arange(9), 2, 3).tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 2]
+    assert ring_slots(torch.arange(4), 2, 0).tolist() == [0, 1, 2, 3]
