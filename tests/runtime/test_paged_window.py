@@ -47,7 +47,8 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
     table[0, :per[0]] = torch.arange(per[0]) + 1
     table[1, :per[1]] = torch.arange(per[1]) + 1 + per[0]
     table[2, :per[2]] = torch.arange(per[2]) + 1 + per[0] + per[1]
-    ring = torch.full((4, 1, sinks + window, sum(D_K) + sum(D_V)), float("nan"))
+    # the rings as vLLM gives a layer its share of a ring module: a strided view, wider than the layer's rows
+    ring = torch.full((4, 3, sinks + window, sum(D_K) + sum(D_V) + 5), float("nan"))[:, 1]
     ring_blocks = torch.tensor([2, 0, 3])
     done = [0, 0, 0]
     for step in range(5):
@@ -74,7 +75,7 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
     # each ring holds its request's sinks and last `window` tokens, in their slots
     for r in range(3):
         positions = torch.tensor(sorted({*range(min(sinks, total[r])), *range(max(0, total[r] - window), total[r])}))
-        held = ring[int(ring_blocks[r]), 0][ring_slots(positions, sinks, window)]
+        held = ring[int(ring_blocks[r])][ring_slots(positions, sinks, window), :sum(D_K) + sum(D_V)]
         torch.testing.assert_close(held, torch.cat([ks[r], vs[r]], -1)[positions])
 
 

@@ -3,6 +3,7 @@ the same greedy tokens as the transformers runtime, a KV pool sized by the expor
 compressed widths; a bits export's band rows), clear refusals. Each engine runs in its own process
 (tests/runtime/vllm_engine.py)."""
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -71,9 +72,10 @@ def hf_greedy_logits(path, prompts, max_tokens) -> tuple[list[list[int]], list[t
 
 def page_bytes(path, block_size, element_size=4):
     """Bytes of one block across all layers: block_size × Σ_layers LayerDims.row_bytes — rank format
-    (Σd_k + Σd_v) × element_size (4: float32), bits format its band codes and scales, whatever the dtype."""
+    (Σd_k + Σd_v) × element_size (4: float32), bits format its band codes and scales, whatever the dtype (a
+    windowed export's whole rows are in rings of their own)."""
     block = ConfigBlock.from_dict(json.loads((path / "config.json").read_text())["kvfold"])
-    return block_size * block.bytes_per_token(element_size)
+    return block_size * dataclasses.replace(block, sinks=0, window=0).bytes_per_token(element_size)
 
 
 def test_plugin_registers_once_lazily_and_checks_the_version():
@@ -105,6 +107,26 @@ def test_uneven_export_generates_what_transformers_generates(tiny_exports, tiny_
     for p, g, w in zip(prompts, got["tokens"], want, strict=True):
         assert g == w, f"prompt of {len(p)} tokens: first divergence at {first_divergence(g, w)}"
     assert got["kv_blocks"] == BUDGET // page_bytes(export.path, 16)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_windowed_export_generates_what_transformers_generates(tiny_bits_exports, tmp_path, arch):
+    """A windowed bits export (2 sinks and the last 8 tokens whole, the rest from their codes) in vLLM: each request's
+    whole rows in its ring beside the code pages (kvfold_runtime.vllm.ring), prompts of 4–29 tokens then 40 decodes
+    and a prefill chunked past the window (max_num_batched_tokens 16), the transformers runtime's greedy tokens; the
+    rings fit in pool blocks of 64 tokens (10 float32 rows against 64 code rows), so the blocks keep their count. A window long enough to cover every token
+    gives other tokens (the codes are coarse), so the ring is what serves the window."""
+    path = tmp_path / "w"
+    _tampered(tiny_bits_exports[arch].path, path, lambda f: _windowed(f, sinks=2, window=8))
+    prompts = _prompts()
+    chunked = {"enable_prefix_caching": False, "max_num_batched_tokens": 16, "enable_chunked_prefill": True}
+    got = run_engine(path, prompts, max_tokens=40, kv_cache_bytes=BUDGET, block_size=64, engine_args=chunked)
+    assert "error" not in got, got["error"]
+    want = hf_greedy(path, prompts, 40)
+    for p, g, w in zip(prompts, got["tokens"], want, strict=True):
+        assert g == w, f"prompt of {len(p)} tokens: first divergence at {first_divergence(g, w)}"
+    assert got["kv_blocks"] == BUDGET // page_bytes(path, 64)
+    assert want != hf_greedy(tiny_bits_exports[arch].path, prompts, 40)
 
 
 def test_fp8_kv_cache_composes_with_the_compressed_widths(tiny_exports):
@@ -161,11 +183,11 @@ def _band_table_off_by_a_dim(folder):
     (folder / "kvfold.json").write_text(json.dumps(manifest))
 
 
-def _windowed(folder):
-    """A windowed bits export (issue 51): config.json's block keeps 4 sink and 64 recent tokens whole, its sha256
+def _windowed(folder, sinks=4, window=64):
+    """A windowed bits export (issue 51): config.json's block keeps `sinks` and `window` tokens whole, its sha256
     in the manifest updated."""
     config = json.loads((folder / "config.json").read_text())
-    config["kvfold"] |= {"sinks": 4, "window": 64}
+    config["kvfold"] |= {"sinks": sinks, "window": window}
     (folder / "config.json").write_text(json.dumps(config))
     manifest = json.loads((folder / "kvfold.json").read_text())
     manifest["files"]["config.json"] = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
@@ -180,8 +202,8 @@ def _windowed(folder):
     ("bits with fp8", "kv_cache_dtype='fp8' would quantize those bytes again: serve it with kv_cache_dtype='auto'"),
     ("bits table vs tensors", "model.layers.0.self_attn.kvfold_k_post has shape [16, 28], config.json's kvfold band "
                               "table (k_bits / v_bits) gives [16, 27]"),
-    ("windowed bits", "keeps its first 4 and last 64 tokens whole (a windowed bits export), which this "
-                      "kvfold-runtime serves in transformers only"),
+    ("windowed bits", "keeps each request's first 4 and last 64 tokens whole (windowed), which a prefix-cache hit "
+                      "would skip: serve it with --no-enable-prefix-caching"),
 ])
 def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_bits_exports, tmp_path, case, expected):
     base = tiny_exports["LlamaForCausalLM", "uneven"].path
@@ -196,7 +218,7 @@ def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_bits_exp
     # refuse() logs the line through vLLM's logger in whichever process builds the model: one case in the
     # processes `vllm serve` runs (the engine core's worker), the others in this one (~20 s less each)
     got = run_engine(path, _prompts(1), max_tokens=2, kv_cache_dtype="fp8" if case == "bits with fp8" else "auto",
-                     own_processes=case == "flipped byte")
+                     own_processes=case == "flipped byte", engine_args={"enable_prefix_caching": True})
     assert "error" in got
     lines = [ln for ln in got["output"].splitlines() if "ERROR" in ln and "kvfold: " in ln]
     assert lines, got["output"][-3000:]

@@ -28,7 +28,7 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
                block_size: int | None = None, max_model_len: int = 256, plugins: str | None = None,
                kv_cache_dtype: str = "auto", timeout: int = 600, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                eager: bool = True, env: dict | None = None, own_processes: bool = False,
-               logprobs: int | None = None) -> dict:
+               logprobs: int | None = None, engine_args: dict | None = None) -> dict:
     """Greedy generation from vLLM, exactly `max_tokens` per prompt (EOS does not stop it; the tiny models'
     tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size"},
     {"error": last lines, "output": everything printed} when the engine failed to start or run. With several
@@ -38,13 +38,14 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
     of its own, as `vllm serve` runs it (a refusal is then the engine core's ERROR line); by default it runs in this
     one process (ENGINE_IN_PROCESS), and so does one worker; several workers have their own (spawned) processes
     either way. `logprobs`: also {"logprobs": per prompt, per generated token, {token id: log-probability}} of
-    that step's `logprobs` most likely tokens (vLLM's SamplingParams.logprobs; the chosen token is among them)."""
+    that step's `logprobs` most likely tokens (vLLM's SamplingParams.logprobs; the chosen token is among them).
+    `engine_args`: more of vLLM's LLM arguments (e.g. enable_prefix_caching)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         args = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "kv_cache_bytes": kv_cache_bytes,
                 "block_size": block_size, "max_model_len": max_model_len, "kv_cache_dtype": kv_cache_dtype,
                 "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel, "eager": eager,
-                "logprobs": logprobs, "out": str(out)}
+                "logprobs": logprobs, "engine_args": engine_args or {}, "out": str(out)}
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         workers = tensor_parallel * pipeline_parallel
         if not own_processes:
@@ -67,7 +68,7 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
 def _main(args: dict) -> None:
     from vllm import LLM, SamplingParams
 
-    extra = {"block_size": args["block_size"]} if args["block_size"] else {}
+    extra = ({"block_size": args["block_size"]} if args["block_size"] else {}) | args["engine_args"]
     if args["tensor_parallel"] * args["pipeline_parallel"] > 1:
         extra |= {"tensor_parallel_size": args["tensor_parallel"], "pipeline_parallel_size": args["pipeline_parallel"],
                   "distributed_executor_backend": "mp"}

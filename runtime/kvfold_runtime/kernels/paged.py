@@ -145,10 +145,17 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
                 codec: RowCodec | None = None) -> None:
     """Store keys k [N, Σd_k] and values v [N, Σd_v] of N tokens at their slots (-1: padding, skipped), as
     `codec` writes rows (default: the numbers in the cache's dtype)."""
-    rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     n = slots.shape[0]
     k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
     codec = codec or NumberRows(k.shape[-1])
+    if not kv.is_contiguous() and not isinstance(codec, BandPages):
+        # vLLM's block-outer layouts (a windowed export's): each block a view into a larger one, rows by block
+        blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])  # a view: the rows of a block stay contiguous
+        keep = slots >= 0
+        slots = slots[keep].long()
+        blocks[slots // blocks.shape[1], slots % blocks.shape[1]] = codec.encode(k[keep], v[keep], blocks.dtype)
+        return
+    rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     if isinstance(codec, BandPages):  # each token's bytes to their places in its block's page
         keep = slots >= 0
         codec.layout.write(kv, slots[keep], codec.encode(k[keep], v[keep], torch.uint8))

@@ -5,7 +5,8 @@ position i, and from its band codes everywhere else (kernels.torch_window). Serv
 codes sit in the layer's pages as for any bits layer (kernels.paged), and each request also holds one *ring* of
 sinks + window whole rows [k | v] (the packed widths of kvfold_runtime.format, in the model's dtype):
 
-  ring      [ring_blocks, sinks + window, Σd_k + Σd_v]; a request's ring is one block (`ring_blocks[r]`)
+  ring      [ring_blocks, sinks + window, ≥ Σd_k + Σd_v] (any strides: vLLM's is a view of its block);
+            a request's ring is one block (`ring_blocks[r]`)
   slot      position p < sinks at slot p, else at sinks + (p − sinks) mod window
 
 so the ring keeps the sinks and the last `window` positions written, which is everything a query of the next step
@@ -49,7 +50,8 @@ def _positions(seq_lens: list[int], starts: list[int], device) -> tuple[torch.Te
 def write_ring(ring: torch.Tensor, ring_blocks: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, *, sinks: int, window: int) -> None:
     """Store the step's whole rows k [T, Σd_k], v [T, Σd_v] (requests as vLLM describes them: query_start_loc
-    [R + 1], seq_lens [R]) in their requests' rings: the sinks, and each request's last `window` positions."""
+    [R + 1], seq_lens [R]) in their requests' rings `ring` [blocks, sinks + window, ≥ Σd_k + Σd_v] (any strides):
+    the sinks, and each request's last `window` positions."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     n = starts[-1]
     if n == 0:
@@ -57,10 +59,9 @@ def write_ring(ring: torch.Tensor, ring_blocks: torch.Tensor, seq_lens: torch.Te
     request, position = _positions(lens, starts, ring.device)
     last = seq_lens.to(ring.device).long()[request]
     keep = (position < sinks) | (position >= last - window)
-    capacity = ring.shape[-2]
-    index = ring_blocks.to(ring.device).long()[request] * capacity + ring_slots(position, sinks, window)
-    rows = ring.view(-1, ring.shape[-1])
-    rows[index[keep]] = torch.cat([k[:n], v[:n]], -1)[keep.to(k.device)].to(ring.device, ring.dtype)
+    block = ring_blocks.to(ring.device).long()[request][keep]
+    rows = torch.cat([k[:n], v[:n]], -1)[keep.to(k.device)]
+    ring[block, ring_slots(position[keep], sinks, window), :rows.shape[-1]] = rows.to(ring.device, ring.dtype)
 
 
 def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor,
@@ -78,7 +79,6 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     d_k, d_v = list(dims.d_k), list(dims.d_v)
     split = sum(d_k)
     blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
-    rings = ring.reshape(ring.shape[0], -1, ring.shape[-1])
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r, s in enumerate(lens):
         first, t = starts[r], starts[r + 1] - starts[r]
@@ -90,8 +90,9 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         lo = max(sinks, old - window + 1) if window else s
         positions = torch.cat([torch.arange(min(sinks, s)), torch.arange(lo, s)]).to(kv.device)
         from_ring = positions < old
-        exact = torch.empty(positions.shape[0], ring.shape[-1], dtype=ring.dtype, device=ring.device)
-        exact[from_ring] = rings[int(ring_blocks[r])][ring_slots(positions[from_ring], sinks, window)]
+        exact = torch.empty(positions.shape[0], split + sum(d_v), dtype=ring.dtype, device=ring.device)
+        held = ring[int(ring_blocks[r])]  # [capacity, ≥ Σd_k + Σd_v]
+        exact[from_ring] = held[ring_slots(positions[from_ring], sinks, window), :exact.shape[-1]]
         mine = torch.cat([key[first:first + t], value[first:first + t]], -1).to(ring.dtype)
         exact[~from_ring] = mine[positions[~from_ring] - old]
         exact = exact.to(query.dtype)

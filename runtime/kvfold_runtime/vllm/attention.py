@@ -18,7 +18,8 @@ with zero dims), because vLLM wants one KV cache spec per layer on every rank. E
 The layer's `Attention` declares one KV head of width Σd_k / Σd_v and `group` query heads of width Σd_k
 (see kvfold_runtime.vllm.backend): the packed vectors pass through vLLM's reshapes unchanged. It is vLLM's
 Attention except for the KV cache spec of a bits-format layer (KVFoldAttentionLayer): a page of uint8 rows of
-the layer's band codes and scales, LayerDims.row_bytes() per token.
+the layer's band codes and scales, LayerDims.row_bytes() per token. A windowed bits export's layers also read and
+write their whole rows in rings (kvfold_runtime.vllm.ring), which the model class creates.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -39,6 +41,7 @@ from kvfold_runtime.format import K_POST, K_SHIFT, Q_POST, ConfigBlock, LayerDim
 from kvfold_runtime.sharding import LayerShard, post_rope, shard_layer
 from kvfold_runtime.vllm.backend import KVFoldAttentionBackend
 from kvfold_runtime.vllm.errors import refuse
+from kvfold_runtime.vllm.ring import model_ring_plan
 
 __all__ = ["KVFoldAttentionLayer", "KVFoldVllmAttention"]
 
@@ -179,10 +182,13 @@ class KVFoldVllmAttention(nn.Module):
         if (types := getattr(config, "layer_types", None)) and types[layer] == "sliding_attention":
             sliding_window = config.sliding_window
         # the original model's scale: the short vectors approximate the full head_dim product
+        # a windowed bits export: where this layer's whole rows live (kvfold_runtime.vllm.ring)
+        plan = model_ring_plan(get_current_vllm_config())
+        ring = None if plan is None else (*plan.place(layer), plan.sinks, plan.window)
         self.attn = KVFoldAttentionLayer(dims.group, sum(dims.d_k), d**-0.5, num_kv_heads=1,
                                          head_size_v=sum(dims.d_v), cache_config=cache_config,
                                          per_layer_sliding_window=sliding_window, prefix=f"{prefix}.attn",
-                                         attn_backend=KVFoldAttentionBackend, kvfold_dims=dims)
+                                         attn_backend=KVFoldAttentionBackend, kvfold_dims=dims, kvfold_ring=ring)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -49,6 +50,7 @@ from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels import row_codec, write_paged
 from kvfold_runtime.kernels.dispatch import StepSplit, kernels_for, paged
 from kvfold_runtime.kernels.paged import BandPages, decode_layer_c
+from kvfold_runtime.kernels.paged_window import windowed_paged_attention, write_ring
 from kvfold_runtime.vllm.cpu_prefill import prefill_attention
 from kvfold_runtime.vllm.errors import refuse
 
@@ -103,7 +105,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes,
                  sliding_window: int | None, kv_cache_dtype: str, logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
-                 *, kvfold_dims: LayerDims) -> None:
+                 *, kvfold_dims: LayerDims, kvfold_ring: tuple[str, int, int, int] | None = None) -> None:
         if kv_cache_dtype not in FP8_FORMATS and kv_cache_dtype != "auto":
             raise refuse(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the kvfold backend; use 'auto' "
                          f"or one of {', '.join(FP8_FORMATS)}")
@@ -122,12 +124,16 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self._decode_layer = None  # kernels.paged.decode_layer_c's, made at the first decode step (False: none)
+        # a windowed bits export: (ring module name, this layer's slot in it, sinks, window) — vllm/ring.py
+        self.ring = kvfold_ring
+        if kvfold_ring is not None and sliding_window is not None:
+            raise refuse("a windowed bits export of a sliding-window model is not served: re-export without --window")
 
     def _codec(self, layer, query: torch.Tensor, kv_cache: torch.Tensor):
         """How this layer's rows are stored: its band codes (bits format; in the GPU page layout, a block a page,
         where the Triton kernels read the cache), or its numbers in the model's dtype or fp8 at the layer's k/v
         scales. The same choice at every step: the query's device and the cache's block size do not change."""
-        page = kv_cache.shape[-2] if kernels_for(query) == "triton" else None
+        page = kv_cache.shape[-2] if kernels_for(query) == "triton" and self.ring is None else None
         return row_codec(self.dims, self.fp8, layer._k_scale_float, layer._v_scale_float, page=page)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -144,6 +150,8 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         meta, n = attn_metadata, attn_metadata.num_actual_tokens
         writes = self.kv_sharing_target_layer_name is None and key is not None and value is not None
         codec = self._codec(layer, query, kv_cache)
+        if self.ring is not None:
+            return self._windowed(query, key, value, kv_cache, meta, output, codec)
         if writes and meta.max_query_len == 1 and self.sliding_window is None and not isinstance(codec, BandPages):
             # decodes: one C call if it runs (C reads rows, not pages)
             if self._decode_layer is None:
@@ -159,6 +167,24 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
               scaling=self.scale, sliding_window=self.sliding_window, out=out, codec=codec,
               max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
               prefill=prefill_attention, split=meta.split)
+        return output
+
+
+    def _windowed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: KVFoldMetadata, output: torch.Tensor, codec) -> torch.Tensor:
+        """A windowed bits layer: the step's codes written, attention with the sinks and window read whole from the
+        request's ring (kernels.paged_window), then the step's whole rows written to the ring."""
+        name, slot, sinks, window = self.ring
+        context = get_forward_context()
+        ring = context.no_compile_layers[name].rows(slot, sum(self.d_k) + sum(self.d_v))
+        blocks = context.attn_metadata[name].blocks
+        n = meta.num_actual_tokens
+        k, v = key[:n].reshape(n, -1), value[:n].reshape(n, -1)
+        write_paged(kv_cache, meta.slot_mapping, k, v, codec=codec)
+        windowed_paged_attention(query[:n].reshape(n, -1), k, v, kv_cache, ring, blocks, meta.block_table,
+                                 meta.seq_lens, meta.query_start_loc, codec, scaling=self.scale, sinks=sinks,
+                                 window=window, out=output[:n].view(n, -1), prefill=prefill_attention)
+        write_ring(ring, blocks, meta.seq_lens, meta.query_start_loc, k, v, sinks=sinks, window=window)
         return output
 
 
@@ -190,9 +216,11 @@ class KVFoldAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple:
-        # Layer-compact layouts only: each layer's cache is then one contiguous tensor whose rows are the
+        # Layer-compact layouts first: each layer's cache is then one contiguous tensor whose rows are the
         # token slots (the backend declares one KV head, so [L, B, H, N, C] and [L, B, N, H, C] coincide).
-        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+        # A windowed export's rings (vllm/ring.py) take the block-outer ones, where each layer's cache is a strided
+        # view (kernels.paged writes it by block; C, which wants contiguous rows, then stands aside).
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, KVCacheLayout.BLHNC)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

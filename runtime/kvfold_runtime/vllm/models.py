@@ -20,6 +20,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+from torch import nn
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import WeightsMapper
 
@@ -38,6 +39,7 @@ from kvfold_runtime.format import (
 from kvfold_runtime.sharding import check_tensor_parallel
 from kvfold_runtime.vllm.attention import KVFoldVllmAttention
 from kvfold_runtime.vllm.errors import refuse
+from kvfold_runtime.vllm.ring import RING_PREFIX, KVFoldRing, model_ring_plan
 
 __all__ = ["SERVED"]
 
@@ -56,9 +58,7 @@ def _check(vllm_config) -> None:
         raise refuse(str(e)) from None
     block = ConfigBlock.from_config(model_config.hf_config)
     if block.windowed:
-        raise refuse(f"this export keeps its first {block.sinks} and last {block.window} tokens whole (a windowed "
-                     "bits export), which this kvfold-runtime serves in transformers only; serve it there, or "
-                     "re-export without --window for vLLM")
+        _check_windowed(vllm_config, block)
     cache_dtype = vllm_config.cache_config.cache_dtype
     if any(d.banded for d in dims) and cache_dtype != "auto":
         raise refuse(f"a bits-format export's cache stores its band codes and scales as they are; "
@@ -66,6 +66,20 @@ def _check(vllm_config) -> None:
                      "kv_cache_dtype='auto' (drop --kv-cache-dtype)")
     if folder.is_dir():
         _check_shapes(folder, model_config.hf_config, dims)
+
+
+def _check_windowed(vllm_config, block: ConfigBlock) -> None:
+    """What a windowed bits export's rings (kvfold_runtime.vllm.ring) do not serve: a prefix-cache hit (it skips the
+    tokens whose whole rows the request's ring would hold), speculative decoding (drafts written before they are
+    accepted would overwrite window rows still read), pipeline stages."""
+    kept = f"this export keeps each request's first {block.sinks} and last {block.window} tokens whole (windowed)"
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise refuse(f"{kept}, which a prefix-cache hit would skip: serve it with --no-enable-prefix-caching "
+                     "(enable_prefix_caching=False)")
+    if vllm_config.speculative_config is not None:
+        raise refuse(f"{kept}: speculative decoding is not supported with it; drop --speculative-config")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise refuse(f"{kept}: pipeline parallelism is not supported with it; drop --pipeline-parallel-size")
 
 
 def _check_shapes(folder: Path, config, dims: list[LayerDims]) -> None:
@@ -110,6 +124,9 @@ def _export_class(architecture: str, **attention_traits) -> type:
             _check(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix,
                              layer_type=partial(LlamaDecoderLayer, attn_layer_type=attention))
+            if (plan := model_ring_plan(vllm_config)) is not None:  # a windowed export's whole rows
+                self.kvfold_rings = nn.ModuleList(KVFoldRing(plan, vllm_config.model_config.dtype,
+                                                             f"{RING_PREFIX}.{j}") for j in range(plan.rings))
 
         def _init_model(self, vllm_config, prefix: str = "", layer_type=LlamaDecoderLayer):
             return _KVFoldLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
