@@ -128,11 +128,11 @@ def export(
     score_from: Annotated[int | None, typer.Option(help="Score each window's predictions from this position on "
                                                    f"{_default('score_from')}.")] = None,
     sinks: Annotated[int | None, typer.Option(help="Bits format: keep every layer's first SINKS tokens whole too "
-                                              "(attention sinks); served by transformers, not yet by vLLM "
+                                              "(attention sinks); vLLM serves it with --no-enable-prefix-caching "
                                               f"{_default('sinks')}.")] = None,
     window: Annotated[int | None, typer.Option(help="Bits format: keep every layer's last WINDOW tokens whole too; "
-                                               "bytes then stated at 4,096 tokens; served by transformers, not yet "
-                                               f"by vLLM {_default('window')}.")] = None,
+                                               "bytes then stated at 4,096 tokens "
+                                               f"{_default('window')}.")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,

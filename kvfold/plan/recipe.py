@@ -79,7 +79,7 @@ class Recipe(BaseModel):
     # Bits format: every layer also keeps its first `sinks` and its last `window` tokens whole (2 bytes a number),
     # and a query reads them whole and the rest from the codes (issue 51: attention sinks and the recent tokens take
     # most of the attention). The search and the pass keys score that cache; bytes are stated at 4,096 tokens
-    # (plan/bits.WINDOW_CONTEXT). Served by the transformers runtime (vLLM refuses it for now). 0 and 0: none.
+    # (plan/bits.WINDOW_CONTEXT). Served by the transformers runtime and vLLM (no prefix caching). 0 and 0: none.
     sinks: int = Field(default=0, ge=0)
     window: int = Field(default=0, ge=0)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are

@@ -114,8 +114,8 @@ def test_windowed_export_generates_what_transformers_generates(tiny_bits_exports
     """A windowed bits export (2 sinks and the last 8 tokens whole, the rest from their codes) in vLLM: each request's
     whole rows in its ring beside the code pages (kvfold_runtime.vllm.ring), prompts of 4–29 tokens then 40 decodes
     and a prefill chunked past the window (max_num_batched_tokens 16), the transformers runtime's greedy tokens; the
-    rings fit in pool blocks of 64 tokens (10 float32 rows against 64 code rows), so the blocks keep their count. A window long enough to cover every token
-    gives other tokens (the codes are coarse), so the ring is what serves the window."""
+    rings fit in pool blocks of 64 tokens (10 float32 rows against 64 code rows), so the blocks keep their count. The
+    plain bits export generates other tokens (the codes are coarse), so the rings are what serve the window."""
     path = tmp_path / "w"
     _tampered(tiny_bits_exports[arch].path, path, lambda f: _windowed(f, sinks=2, window=8))
     prompts = _prompts()
@@ -127,6 +127,33 @@ def test_windowed_export_generates_what_transformers_generates(tiny_bits_exports
         assert g == w, f"prompt of {len(p)} tokens: first divergence at {first_divergence(g, w)}"
     assert got["kv_blocks"] == BUDGET // page_bytes(path, 64)
     assert want != hf_greedy(tiny_bits_exports[arch].path, prompts, 40)
+
+
+def test_ring_modules_each_fit_one_pool_block():
+    """vllm/ring.py's packing: every layer has a slot, all ring modules share one page (vLLM's grouping wants equal
+    ring pages), and a page fits in one pool block (block_size × the code bytes of every layer) unless one layer's
+    ring alone is larger, when each module holds one."""
+    from kvfold_runtime.format import LayerDims
+    from kvfold_runtime.vllm.ring import ring_plan
+
+    dims = [LayerDims((64, 48, 40), (56, 64, 32), 3, *_bands(i)) for i in range(30)]
+    code = sum(sum(d.row_bytes()) for d in dims)
+    for block_size, element_size, window in [(128, 2, 64), (128, 4, 64), (16, 4, 64), (128, 2, 4000)]:
+        plan = ring_plan(dims, 16, window, element_size, block_size)
+        page = plan.slots * plan.capacity * plan.width * element_size
+        assert plan.width == 304 and plan.rings * plan.slots >= 30 > (plan.rings - 1) * plan.slots
+        assert page <= block_size * code or plan.slots == 1
+        assert plan.slots == 1 or page + plan.capacity * plan.width * element_size > block_size * code
+    plan = ring_plan(dims, 16, 64, 2, 128)
+    assert plan.slots > 1 and plan.place(29) == (f"kvfold_rings.{29 // plan.slots}", 29 % plan.slots)
+
+
+def _bands(seed: int):
+    from kvfold_runtime.bands import bands_from_bits
+
+    widths = [(3, 2, 1)[(seed + h) % 3] * 2 for h in range(3)]
+    return (tuple(bands_from_bits([widths[h]] * w, "log8") for h, w in enumerate((64, 48, 40))),
+            tuple(bands_from_bits([widths[h]] * w, "log8") for h, w in enumerate((56, 64, 32))))
 
 
 def test_fp8_kv_cache_composes_with_the_compressed_widths(tiny_exports):
@@ -295,6 +322,39 @@ def test_smollm2_in_vllm(smollm2_exports):
     bits = page_bytes(e["bits"], 1)
     assert runs["bits"]["kv_blocks"] == budget // page_bytes(e["bits"], runs["bits"]["block_size"])
     assert capacity["bits"] / capacity["orig"] >= 0.97 * original / bits
+
+
+@pytest.mark.slow
+def test_smollm2_windowed_in_vllm(smollm2_exports, tmp_path):
+    """The bits export with 16 sinks and the last 64 tokens whole (issue 51's windowed format), 6 wiki prompts of 256
+    tokens and 16 generated, float32, max_model_len 4,096: vLLM = the transformers runtime (BITS_TIE as above), and
+    its pool holds ≥ 0.97 × the bytes ratio at 4,096 tokens (codes + whole rows, ConfigBlock.bytes_per_token) times
+    the original's requests of 4,096 tokens — vLLM's own count, rings and code blocks together."""
+    e = smollm2_exports
+    path = _tampered(e["bits"], tmp_path / "w", lambda f: _windowed(f, sinks=16, window=64))
+    prompts = _wiki_prompts(e["orig"], n=6, tokens=256)
+    budget, context = 64 << 20, 4096
+    args = {"kv_cache_bytes": budget, "max_model_len": context, "max_tokens": 16}
+    runs = {"orig": run_engine(e["orig"], prompts[:1], **args),
+            "windowed": run_engine(path, prompts, logprobs=5, engine_args={"enable_prefix_caching": False}, **args)}
+    for name, run in runs.items():
+        assert "error" not in run, (name, run["error"])
+    want, hf_logits = hf_greedy_logits(path, prompts, 16)
+    got, vllm_logprobs = runs["windowed"]["tokens"], runs["windowed"]["logprobs"]
+    parted = {i: first_divergence(g, w) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w}
+    assert len(parted) < len(prompts), f"windowed: prompts {sorted(parted)} differ"
+    for i, at in parted.items():
+        ours, theirs = want[i][at], got[i][at]
+        hf_gap = float(hf_logits[i][at, ours] - hf_logits[i][at, theirs])
+        vllm_gap = vllm_logprobs[i][at][theirs] - vllm_logprobs[i][at].get(ours, -float("inf"))
+        assert max(hf_gap, vllm_gap) < BITS_TIE, (i, at, hf_gap, vllm_gap)
+    c = json.loads((Path(e["orig"]) / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    original = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head * 4  # float32 bytes per token
+    block = ConfigBlock.from_dict(json.loads((path / "config.json").read_text())["kvfold"])
+    windowed = block.bytes_per_token(4, context=context)
+    ratio = runs["windowed"]["max_concurrency"] / runs["orig"]["max_concurrency"]
+    assert ratio >= 0.97 * original / windowed, (ratio, original / windowed)
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ def run_engine(model: Path | str, prompts: list[list[int]], *, max_tokens: int =
                eager: bool = True, env: dict | None = None, own_processes: bool = False,
                logprobs: int | None = None, engine_args: dict | None = None) -> dict:
     """Greedy generation from vLLM, exactly `max_tokens` per prompt (EOS does not stop it; the tiny models'
-    tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size"},
+    tokenizer and generation config name different EOS tokens): {"tokens", "kv_blocks", "block_size",
+    "max_concurrency" (vLLM's: requests of max_model_len tokens its pool holds at once, every cache group counted)},
     {"error": last lines, "output": everything printed} when the engine failed to start or run. With several
     workers (tensor/pipeline parallel, vLLM's multiprocessing executor) each gets its own share of this process's
     cores (VLLM_CPU_OMP_THREADS_BIND: the CPU build's automatic binding wants a NUMA node per worker). `eager`:
@@ -79,7 +80,7 @@ def _main(args: dict) -> None:
                                        logprobs=args["logprobs"]), use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "kv_blocks": cache.num_gpu_blocks,
-              "block_size": cache.block_size}
+              "block_size": cache.block_size, "max_concurrency": cache.kv_cache_max_concurrency}
     if args["logprobs"]:
         result["logprobs"] = [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
                               for o in outs]

@@ -4,7 +4,7 @@ last `window` tokens at the model's dtype as well (what a query reads whole: ker
 It is a DynamicLayer (the codes are its keys and values, so get_seq_length, masks and the default DynamicCache work
 as for any export) that also keeps the whole rows. KVFoldAttention puts one in place of a fresh DynamicLayer
 (`window_layer`) before the layer's first update. Its bytes: every token's codes plus at most sinks + window whole
-rows (format.ConfigBlock.bytes_per_token counts them; vLLM does not serve this layout yet).
+rows (format.ConfigBlock.bytes_per_token counts them; in vLLM they live in rings, vllm/ring.py).
 
 Batch reordering (beam search), repetition and selection apply to the whole rows too. `crop` drops the whole rows of
 the tokens it removes; the tokens that then fall inside the window were already out of it and are read from their

@@ -12,7 +12,8 @@ bits-format exports build the same model; a bits export's layers cache their ban
 LayerDims.row_bytes() per token, kvfold_runtime.vllm.attention.KVFoldAttentionLayer). Before any weight is
 read, the model class checks the export (`_check`): its files, its kvfold block, its attention tensors'
 shapes against the block's widths (safetensors headers only), and that a bits export's cache is not given
-a kv_cache_dtype (its codes are not quantized again).
+a kv_cache_dtype (its codes are not quantized again). A windowed bits export's model also holds the rings of its
+layers' whole rows (kvfold_runtime.vllm.ring), and serves without prefix caching.
 """
 
 from __future__ import annotations
