@@ -333,7 +333,7 @@ def test_smollm2_windowed_in_vllm(smollm2_exports, tmp_path):
     e = smollm2_exports
     path = _tampered(e["bits"], tmp_path / "w", lambda f: _windowed(f, sinks=16, window=64))
     prompts = _wiki_prompts(e["orig"], n=6, tokens=256)
-    budget, context = 64 << 20, 4096
+    budget, context = 512 << 20, 4096  # the original at float32 holds 2.8 requests of 4,096 tokens
     args = {"kv_cache_bytes": budget, "max_model_len": context, "max_tokens": 16}
     runs = {"orig": run_engine(e["orig"], prompts[:1], **args),
             "windowed": run_engine(path, prompts, logprobs=5, engine_args={"enable_prefix_caching": False}, **args)}
