@@ -104,7 +104,7 @@ def layout_capacities(manifest: Manifest, budget: int, block_size: int, dtype: s
 def capacity_figures(run: dict, original: dict) -> dict:
     """From vLLM's block count and the budget: the token capacity, bytes per token (budget ÷ capacity) and
     the ratios against the original's run (capacity, peak running requests, tokens/s where both measured)."""
-    capacity = run["kv_blocks"] * run["block_size"]
+    capacity = run["kv_token_capacity"]  # blocks × block size; a windowed export's rings counted (serve_point)
     out = {"kv_token_capacity": capacity,
            "bytes_per_token": round(run["kv_cache_memory_bytes"] / capacity, 1) if capacity else None}
     ratios = {"kv_token_capacity": round(capacity / original["kv_token_capacity"], 4)}
@@ -149,7 +149,8 @@ def tensor_parallel_figures(run: dict, manifest: Manifest, budget: int, dtype: s
 def _export_entry(run: dict, manifest: Manifest, original: dict, budget: int, dtype: str) -> dict:
     """An export's run with its format's own bytes per token and the capacity ratio those promise."""
     fmt = "rank" if manifest.k_bits is None else "bits"
-    nominal = manifest.config_block().bytes_per_token(_BYTES[dtype])
+    block = manifest.config_block()  # a windowed export's bytes at the served context (whole rows at the dtype)
+    nominal = block.bytes_per_token(_BYTES[dtype], context=run["max_model_len"] if block.windowed else None)
     ideal = original["format_bytes_per_token"] / nominal
     entry = {"kind": "export", "format": fmt, "compression_p": round(manifest.chosen.compression, 4),
              "format_bytes_per_token": nominal, **run, "runs": True, "ideal_capacity_ratio": round(ideal, 4),

@@ -187,10 +187,14 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
                    disable_log_stats=False, seed=0, **parallel),
         stat_loggers=[Peaks])
     cache = engine.vllm_config.cache_config
+    # a windowed bits export's rings take pool blocks per request (kvfold_runtime.vllm.ring): its capacity is then
+    # vLLM's own group-aware count of tokens in requests of max_len (what it logs as "KV cache size")
+    block = json.loads((Path(model) / "config.json").read_text()).get("kvfold", {})
+    windowed = bool(block.get("sinks") or block.get("window"))
     out = {"model": model, "kv_cache_dtype": kv_cache_dtype, "kv_cache_memory_bytes": kv_cache_bytes,
            "tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel,
-           "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
-           "kv_token_capacity": cache.num_gpu_blocks * cache.block_size,
+           "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size, "max_model_len": max_len,
+           "kv_token_capacity": cache.kv_cache_size_tokens if windowed else cache.num_gpu_blocks * cache.block_size,
            "startup_s": round(time.perf_counter() - t0, 1)}
     if kv_cache_dtype != "auto":
         out["cpu_attention_cache_dtypes"] = _cpu_cache_dtypes()

@@ -114,7 +114,7 @@ def test_capacity_bytes_per_token_and_ratios():
     original = {"kv_blocks": 11, "block_size": 128, "kv_token_capacity": 1408, "kv_cache_memory_bytes": 64 << 20,
                 "cache_limited": {"peak_running_requests": 2, "generated_tokens_per_s": 40.0},
                 "long_context": {"decode_tokens_per_s": 10.0}}
-    fp8 = {"kv_blocks": 45, "block_size": 128, "kv_cache_memory_bytes": 64 << 20,
+    fp8 = {"kv_blocks": 45, "block_size": 128, "kv_token_capacity": 45 * 128, "kv_cache_memory_bytes": 64 << 20,
            "cache_limited": {"peak_running_requests": 8, "generated_tokens_per_s": 50.0}}
     got = capacity_figures(fp8, original)
     assert got["kv_token_capacity"] == 45 * 128

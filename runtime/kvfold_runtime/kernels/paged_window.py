@@ -14,16 +14,19 @@ reads whole. A step writes its tokens' codes first (the caller), then attends �
 its keys and values, older ones from the ring — and only then writes its rows into the ring, so a chunk longer than
 the window cannot overwrite rows its first queries still read.
 
-Each request runs on its own (plain torch, any device): its rows decoded, the whole ones put in place; where queries
-differ in which tokens they read whole (several query rows and a window), both score matrices are formed per row
-(torch_window.window_attention).
+Plain torch, any device. The step's one-token requests run together (kernels.paged's batched decode over their
+blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, the
+whole ones put in place, and where its queries differ in which tokens they read whole (several query rows and a
+window), both score matrices formed per row (torch_window.window_attention). C does not run here: it reads codes
+only, not a ring.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvfold_runtime.kernels.paged import BandPages, BandRows, PrefillAttention, _gather
+from kvfold_runtime.kernels.paged import BandPages, BandRows, PrefillAttention, StepPlan, _gather, plan_step
+from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
 from kvfold_runtime.kernels.torch_window import window_attention
 
@@ -80,9 +83,14 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     split = sum(d_k)
     blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), blocks.shape[1])
+    if plan.decode_rows is not None:
+        decoding = torch.tensor([r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1])
+        _decodes(query, key, value, blocks, ring, ring_blocks.cpu()[decoding], seq_lens.cpu()[decoding].long() - 1,
+                 plan, codec, scaling=scaling, sinks=sinks, window=window, out=out)
     for r, s in enumerate(lens):
         first, t = starts[r], starts[r + 1] - starts[r]
-        if t == 0:
+        if t <= 1:  # decodes: above
             continue
         old = s - t  # tokens cached before this step
         k, v = codec.decode(_gather(blocks, block_table[r], 0, s), query.dtype)  # [s, Σd_k], [s, Σd_v]
@@ -109,3 +117,33 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                 o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, dims.group, scaling=scaling)[0]
         out[first:first + t] = o.to(out.dtype)
     return out
+
+
+def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, ring: torch.Tensor,
+             ring_blocks: torch.Tensor, last: torch.Tensor, plan: StepPlan, codec: BandRows, *, scaling: float,
+             sinks: int, window: int, out: torch.Tensor) -> None:
+    """The step's one-token requests together (paged_attention's decode over plan_step's blocks; `ring_blocks` and
+    `last`, each one's ring and its query's position): their rows decoded, the ring's rows put in place of the sinks
+    and of the window's older positions, the step's own row in place of the newest (its ring slot still holds the
+    position `window` before it, which this query reads from its codes)."""
+    d_k, d_v = list(codec.dims.d_k), list(codec.dims.d_v)
+    split = sum(d_k)
+    n, count = plan.decode_blocks.shape
+    rows = blocks.index_select(0, plan.decode_blocks.view(-1)).view(n, count * blocks.shape[1], -1)
+    rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN is NaN
+    k, v = codec.decode(rows, query.dtype)  # [N, B·block_size, Σd_k]: row p is position p (no sliding window)
+    slot = torch.arange(sinks + window, device=k.device)[None, :]  # [1, capacity]
+    position = slot.expand(n, -1)
+    if window:  # a window slot holds the latest position p ≤ last with p ≡ slot (mod window) (ring_slots)
+        position = torch.where(slot < sinks, slot, last[:, None] - (last[:, None] - slot).remainder(window))
+    readable = (position < last[:, None]) & ((slot < sinks) | (position >= sinks))
+    held = ring[ring_blocks.to(ring.device).long()][..., :split + sum(d_v)].to(query.dtype)  # [N, capacity, ·]
+    at, where = readable.nonzero().unbind(1)
+    k[at, position[at, where]] = held[at, where, :split]
+    v[at, position[at, where]] = held[at, where, split:]
+    rows = plan.decode_rows
+    newest = (last < sinks) | (window > 0)  # the query's own token: whole inside the window or the sinks
+    k[newest.nonzero()[:, 0], last[newest]] = key[rows[newest]].to(k.dtype)
+    v[newest.nonzero()[:, 0], last[newest]] = value[rows[newest]].to(v.dtype)
+    out[rows] = packed_decode(query[rows], k, v, plan.decode_valid, d_k, d_v, codec.dims.group,
+                              scaling=scaling).to(out.dtype)
