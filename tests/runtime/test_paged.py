@@ -338,3 +338,22 @@ def test_rank_rows_written_in_c_equal_torchs_and_skip_padding(dtype, monkeypatch
     assert torch.equal(kv_c, kv_t)
     assert torch.equal(kv_c.view(-1, 22)[6], torch.cat([k[0], v[0]]).to(dtype))
     assert (kv_c.view(-1, 22)[[1, 2, 4, 5, 7]] == 7.0).all()
+
+
+@pytest.mark.parametrize("fmt", ["rank", "bits"])
+def test_a_block_outer_cache_view_is_written_where_a_contiguous_one_is(fmt):
+    """vLLM's block-outer layouts (a windowed export's, vllm/ring.py) give each layer a strided view: block b of
+    layer 1 sits inside the b-th slab of every layer's pages. write_paged puts each row at the same slot as in a
+    contiguous cache, and leaves the other layer's bytes alone."""
+    dims = _banded([6, 3], [5, 8], 2) if fmt == "bits" else LayerDims((6, 3), (5, 8), 2)
+    codec = row_codec(dims)
+    c = sum(dims.row_bytes()) if fmt == "bits" else 22
+    dtype = torch.uint8 if fmt == "bits" else torch.float32
+    slab = torch.zeros(5, 2, 1, 4, c, dtype=dtype)  # [blocks, layers, 1 head, block_size, C]
+    strided, flat = slab[:, 1], torch.zeros(5, 1, 4, c, dtype=dtype)
+    k, v = torch.randn(7, 9), torch.randn(7, 13)
+    slots = torch.tensor([5, 6, -1, 13, 0, 19, 2])
+    assert not strided.is_contiguous()
+    write_paged(strided, slots, k, v, codec=codec)
+    write_paged(flat, slots, k, v, codec=codec)
+    assert torch.equal(strided, flat) and not slab[:, 0].any()
