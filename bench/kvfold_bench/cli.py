@@ -208,7 +208,8 @@ def serve(
     kv_cache_mib: Annotated[int, typer.Option(help="KV cache budget given to vLLM for each configuration, "
                                               "MiB.")] = 512,
     workload: Annotated[str, typer.Option(help="all (cache-limited and long-context), limited, long, or none "
-                                          "(KV capacity and the probe only: fast).")] = "all",
+                                          "(KV capacity and the probe only: fast; a windowed export's capacity for "
+                                          "requests as long as the long-context one's).")] = "all",
     requests: Annotated[int, typer.Option(help="Cache-limited workload: requests, submitted at once.")] = 64,
     prompt_tokens: Annotated[int, typer.Option(help="Cache-limited workload: prompt tokens per request "
                                                "(wiki:eval).")] = 512,

@@ -176,6 +176,13 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
     probe = [ids[len(ids) - (i + 1) * probe_len:][:probe_len] for i in range(PROBE_PROMPTS)]  # the text's end
     max_len = max(probe_len + PROBE_TOKENS, (prompt_tokens + new_tokens) * limited,
                   (long_prompt_tokens + max(long_new_tokens, 16)) * long)  # 16: room for a pass key's answer
+    # a windowed bits export's rings take pool blocks per request (kvfold_runtime.vllm.ring): its capacity is vLLM's
+    # own group-aware count of tokens in requests of max_len (what it logs as "KV cache size"), stated for requests of
+    # the long-context one's length even with no workload
+    block = json.loads((Path(model) / "config.json").read_text()).get("kvfold", {})
+    windowed = bool(block.get("sinks") or block.get("window"))
+    if windowed and shape.which == "none":
+        max_len = max(max_len, min(long_prompt_tokens + long_new_tokens, positions or max_len))
     parallel = {}
     if tensor_parallel * pipeline_parallel > 1:
         parallel = {"tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel,
@@ -187,10 +194,6 @@ def one_engine(model: str, tokenizer_dir: str, kv_cache_bytes: int, kv_cache_dty
                    disable_log_stats=False, seed=0, **parallel),
         stat_loggers=[Peaks])
     cache = engine.vllm_config.cache_config
-    # a windowed bits export's rings take pool blocks per request (kvfold_runtime.vllm.ring): its capacity is then
-    # vLLM's own group-aware count of tokens in requests of max_len (what it logs as "KV cache size")
-    block = json.loads((Path(model) / "config.json").read_text()).get("kvfold", {})
-    windowed = bool(block.get("sinks") or block.get("window"))
     out = {"model": model, "kv_cache_dtype": kv_cache_dtype, "kv_cache_memory_bytes": kv_cache_bytes,
            "tensor_parallel_size": tensor_parallel, "pipeline_parallel_size": pipeline_parallel,
            "kv_blocks": cache.num_gpu_blocks, "block_size": cache.block_size, "max_model_len": max_len,
