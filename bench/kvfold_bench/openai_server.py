@@ -51,6 +51,14 @@ def _stop(proc: subprocess.Popen) -> None:
     raise KVFoldError(f"the vLLM server's process group {proc.pid} did not stop")
 
 
+def _windowed_flags(model: Path) -> list[str]:
+    """A windowed bits export is served without prefix caching (kvfold_runtime refuses it otherwise), as its users
+    run it: `vllm serve EXPORT --no-enable-prefix-caching`."""
+    config = Path(model) / "config.json"
+    block = json.loads(config.read_text()).get("kvfold", {}) if config.is_file() else {}
+    return ["--no-enable-prefix-caching"] if block.get("sinks") or block.get("window") else []
+
+
 @contextlib.contextmanager
 def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 20, max_model_len: int = 512,
           dtype: str | None = "float32") -> Iterator[str]:
@@ -60,7 +68,7 @@ def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 2
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *(["--dtype", dtype] if dtype else []), "--enforce-eager", "--max-model-len",
-           str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+           str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes), *_windowed_flags(model)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -340,3 +340,14 @@ def test_serve_runs_every_kind_of_configuration(head80, tmp_path, monkeypatch):
         assert c["paired_decode"]["decode_steps"] == 14 and c["paired_decode"]["decode_tokens_per_s"] > 0
         low, high = c["paired_decode"]["vs_original_turn_quartiles"]
         assert 0 < low <= high
+
+
+def test_a_windowed_export_is_served_without_prefix_caching(tmp_path):
+    """The OpenAI server (kvfold-bench ruler, ttft) serves a windowed bits export as its users must: with
+    --no-enable-prefix-caching, which the plugin asks for; other models keep vLLM's default."""
+    from kvfold_bench.openai_server import _windowed_flags
+
+    (tmp_path / "config.json").write_text(json.dumps({"kvfold": {"format": "bits", "sinks": 16, "window": 64}}))
+    assert _windowed_flags(tmp_path) == ["--no-enable-prefix-caching"]
+    (tmp_path / "config.json").write_text(json.dumps({"kvfold": {"format": "bits"}}))
+    assert _windowed_flags(tmp_path) == [] and _windowed_flags(tmp_path / "missing") == []
