@@ -70,6 +70,21 @@ def hf_greedy_logits(path, prompts, max_tokens) -> tuple[list[list[int]], list[t
     return tokens, logits
 
 
+def assert_parts_only_at_near_ties(name, path, prompts, run, max_tokens):
+    """vLLM's greedy tokens of a bits export (`run`, with logprobs) against the transformers runtime's: at least one
+    prompt agrees throughout, and every prompt that parts does so at a near tie in both runtimes (BITS_TIE)."""
+    want, hf_logits = hf_greedy_logits(path, prompts, max_tokens)
+    got, vllm_logprobs = run["tokens"], run["logprobs"]
+    parted = {i: first_divergence(g, w) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w}
+    assert len(parted) < len(prompts), f"{name}: prompts {sorted(parted)} differ"
+    for i, at in parted.items():
+        ours, theirs = want[i][at], got[i][at]
+        hf_gap = float(hf_logits[i][at, ours] - hf_logits[i][at, theirs])
+        vllm_gap = vllm_logprobs[i][at][theirs] - vllm_logprobs[i][at].get(ours, -float("inf"))
+        assert max(hf_gap, vllm_gap) < BITS_TIE, (f"{name}, prompt {i}: parts at token {at}, where the top two differ "
+                                                  f"by {hf_gap:.3f} logits in transformers, {vllm_gap:.3f} in vLLM")
+
+
 def page_bytes(path, block_size, element_size=4):
     """Bytes of one block across all layers: block_size × Σ_layers LayerDims.row_bytes — rank format
     (Σd_k + Σd_v) × element_size (4: float32), bits format its band codes and scales, whatever the dtype (a
@@ -107,53 +122,6 @@ def test_uneven_export_generates_what_transformers_generates(tiny_exports, tiny_
     for p, g, w in zip(prompts, got["tokens"], want, strict=True):
         assert g == w, f"prompt of {len(p)} tokens: first divergence at {first_divergence(g, w)}"
     assert got["kv_blocks"] == BUDGET // page_bytes(export.path, 16)
-
-
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM"])  # the rings do not depend on the family (~25 s an engine)
-def test_windowed_export_generates_what_transformers_generates(tiny_bits_exports, tmp_path, arch):
-    """A windowed bits export (2 sinks and the last 8 tokens whole, the rest from their codes) in vLLM: each request's
-    whole rows in its ring beside the code pages (kvfold_runtime.vllm.ring), prompts of 4–29 tokens then 40 decodes
-    and a prefill chunked past the window (max_num_batched_tokens 16), the transformers runtime's greedy tokens; the
-    rings fit in pool blocks of 64 tokens (10 float32 rows against 64 code rows), so the blocks keep their count. The
-    plain bits export generates other tokens (the codes are coarse), so the rings are what serve the window."""
-    path = tmp_path / "w"
-    _tampered(tiny_bits_exports[arch].path, path, lambda f: _windowed(f, sinks=2, window=8))
-    prompts = _prompts()
-    chunked = {"enable_prefix_caching": False, "max_num_batched_tokens": 16, "enable_chunked_prefill": True}
-    got = run_engine(path, prompts, max_tokens=40, kv_cache_bytes=BUDGET, block_size=64, engine_args=chunked)
-    assert "error" not in got, got["error"]
-    want = hf_greedy(path, prompts, 40)
-    for p, g, w in zip(prompts, got["tokens"], want, strict=True):
-        assert g == w, f"prompt of {len(p)} tokens: first divergence at {first_divergence(g, w)}"
-    assert got["kv_blocks"] == BUDGET // page_bytes(path, 64)
-    assert want != hf_greedy(tiny_bits_exports[arch].path, prompts, 40)
-
-
-def test_ring_modules_each_fit_one_pool_block():
-    """vllm/ring.py's packing: every layer has a slot, all ring modules share one page (vLLM's grouping wants equal
-    ring pages), and a page fits in one pool block (block_size × the code bytes of every layer) unless one layer's
-    ring alone is larger, when each module holds one."""
-    from kvfold_runtime.format import LayerDims
-    from kvfold_runtime.vllm.ring import ring_plan
-
-    dims = [LayerDims((64, 48, 40), (56, 64, 32), 3, *_bands(i)) for i in range(30)]
-    code = sum(sum(d.row_bytes()) for d in dims)
-    for block_size, element_size, window in [(128, 2, 64), (128, 4, 64), (16, 4, 64), (128, 2, 4000)]:
-        plan = ring_plan(dims, 16, window, element_size, block_size)
-        page = plan.slots * plan.capacity * plan.width * element_size
-        assert plan.width == 304 and plan.rings * plan.slots >= 30 > (plan.rings - 1) * plan.slots
-        assert page <= block_size * code or plan.slots == 1
-        assert plan.slots == 1 or page + plan.capacity * plan.width * element_size > block_size * code
-    plan = ring_plan(dims, 16, 64, 2, 128)
-    assert plan.slots > 1 and plan.place(29) == (f"kvfold_rings.{29 // plan.slots}", 29 % plan.slots)
-
-
-def _bands(seed: int):
-    from kvfold_runtime.bands import bands_from_bits
-
-    widths = [(3, 2, 1)[(seed + h) % 3] * 2 for h in range(3)]
-    return (tuple(bands_from_bits([widths[h]] * w, "log8") for h, w in enumerate((64, 48, 40))),
-            tuple(bands_from_bits([widths[h]] * w, "log8") for h, w in enumerate((56, 64, 32))))
 
 
 def test_fp8_kv_cache_composes_with_the_compressed_widths(tiny_exports):
@@ -303,16 +271,7 @@ def test_smollm2_in_vllm(smollm2_exports):
     want = hf_greedy(e["p10"], prompts, 32)
     for i, (g, w) in enumerate(zip(runs["p10"]["tokens"], want, strict=True)):
         assert g == w, f"prompt {i}: first divergence at {first_divergence(g, w)}"
-    want, hf_logits = hf_greedy_logits(e["bits"], prompts, 32)
-    got, vllm_logprobs = runs["bits"]["tokens"], runs["bits"]["logprobs"]
-    parted = {i: first_divergence(g, w) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w}
-    assert len(parted) < len(prompts), f"bits: prompts {sorted(parted)} differ"
-    for i, at in parted.items():
-        ours, theirs = want[i][at], got[i][at]
-        hf_gap = float(hf_logits[i][at, ours] - hf_logits[i][at, theirs])
-        vllm_gap = vllm_logprobs[i][at][theirs] - vllm_logprobs[i][at].get(ours, -float("inf"))
-        assert max(hf_gap, vllm_gap) < BITS_TIE, (f"bits, prompt {i}: parts at token {at}, where the top two differ "
-                                                  f"by {hf_gap:.3f} logits in transformers, {vllm_gap:.3f} in vLLM")
+    assert_parts_only_at_near_ties("bits", e["bits"], prompts, runs["bits"], 32)
     capacity = {n: runs[n]["kv_blocks"] * runs[n]["block_size"] for n in ("orig", "p10", "bits")}
     assert capacity["p10"] / capacity["orig"] >= 0.97 / (1 - e["p"])
     assert runs["full"]["kv_blocks"] == runs["orig"]["kv_blocks"]
@@ -338,15 +297,7 @@ def test_smollm2_windowed_in_vllm(smollm2_exports, tmp_path):
     run = run_engine(path, prompts, logprobs=5, engine_args={"enable_prefix_caching": False}, kv_cache_bytes=budget,
                      max_model_len=context, max_tokens=16)
     assert "error" not in run, run["error"]
-    want, hf_logits = hf_greedy_logits(path, prompts, 16)
-    got, vllm_logprobs = run["tokens"], run["logprobs"]
-    parted = {i: first_divergence(g, w) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w}
-    assert len(parted) < len(prompts), f"windowed: prompts {sorted(parted)} differ"
-    for i, at in parted.items():
-        ours, theirs = want[i][at], got[i][at]
-        hf_gap = float(hf_logits[i][at, ours] - hf_logits[i][at, theirs])
-        vllm_gap = vllm_logprobs[i][at][theirs] - vllm_logprobs[i][at].get(ours, -float("inf"))
-        assert max(hf_gap, vllm_gap) < BITS_TIE, (i, at, hf_gap, vllm_gap)
+    assert_parts_only_at_near_ties("windowed", path, prompts, run, 16)
     block = ConfigBlock.from_dict(json.loads((path / "config.json").read_text())["kvfold"])
     ideal = budget / block.bytes_per_token(4, context=context)
     assert run["max_concurrency"] * context >= 0.97 * ideal, (run["max_concurrency"] * context, ideal)
