@@ -173,6 +173,7 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks
     rows = blocks.index_select(0, plan.decode_blocks.view(-1)).view(n, count * blocks.shape[1], -1)
     rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN is NaN
     k, v = codec.decode(rows, query.dtype)  # [N, B·block_size, Σd_k]: row p is position p (no sliding window)
+    last = last.to(k.device)
     slot = torch.arange(sinks + window, device=k.device)[None, :]  # [1, capacity]
     position = slot.expand(n, -1)
     if window:  # a window slot holds the latest position p ≤ last with p ≡ slot (mod window) (ring_slots)
