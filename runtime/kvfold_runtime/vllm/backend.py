@@ -26,7 +26,9 @@ The per-head widths and bands reach the implementation through the layer (`kvfol
 vLLM's Attention). A rank layer's cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
 "fp8_e5m2" one byte per number (the layer's k/v scales, 1.0 unless the checkpoint or vLLM sets them), so
 the two savings compose: (1 − p) / 2 of the fp16 bytes. A bits layer's cache holds its band codes as the
-export defines them, whatever kv_cache_dtype says ("auto" only: the model class refuses the others).
+export defines them, whatever kv_cache_dtype says ("auto" only: the model class refuses the others). A windowed
+bits export's layers also read and write each request's whole sink and recent rows in rings (kvfold_runtime.vllm.ring;
+the attention in kernels/paged_window.py, torch on every device).
 """
 
 from __future__ import annotations
@@ -168,7 +170,6 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
               max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
               prefill=prefill_attention, split=meta.split)
         return output
-
 
     def _windowed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   meta: KVFoldMetadata, output: torch.Tensor, codec) -> torch.Tensor:
