@@ -17,8 +17,8 @@ the window cannot overwrite rows its first queries still read.
 Plain torch, any device. The step's one-token requests run together (kernels.paged's batched decode over their
 blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, the
 whole ones put in place, and where its queries differ in which tokens they read whole (several query rows and a
-window), one attention over the codes with each row's window band recomputed from the whole rows (_banded: 4× less
-time than forming both score matrices, a 4,000-token SmolLM2 layer on one core). C does not run here: it reads
+window), one attention over the codes with each row's window band recomputed from the whole rows (_banded: one score
+matrix and W dot products a row, where forming both full score matrices costs two). C does not run here: it reads
 codes only, not a ring.
 """
 
