@@ -107,11 +107,11 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         exact[~from_ring] = mine[positions[~from_ring] - old]
         exact = exact.to(query.dtype)
         q = query[first:first + t]
-        if t > 1 and window and max(sinks, lo) < s - window:  # the queries differ in which tokens they read whole
+        if window and max(sinks, lo) < s - window:  # the queries differ in which tokens they read whole
             o = _banded(q, k, v, positions, exact, d_k, d_v, dims.group, scaling=scaling, sinks=sinks, window=window)
         else:  # every query reads the same tokens whole: put them in place, one causal attention
             k[positions], v[positions] = exact[:, :split], exact[:, split:]
-            o = None if prefill is None or t == 1 else prefill(q, k, v, d_k, d_v, dims.group, scaling=scaling)
+            o = None if prefill is None else prefill(q, k, v, d_k, d_v, dims.group, scaling=scaling)
             if o is None:
                 o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, dims.group, scaling=scaling)[0]
         out[first:first + t] = o.to(out.dtype)
