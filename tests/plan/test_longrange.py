@@ -51,12 +51,27 @@ def test_a_point_is_kept_only_if_every_rounding_keeps_the_keys():
 
     curve = [_point(0.2), _point(0.5), _point(0.3)]
     best, record, added = keep_passkeys(model, adapter, prompts, curve, Target("top1", 0.99), patches_for)
-    assert best.compression == 0.3 and seen == [0.5, 0.3] and added == []
+    assert best.compression == 0.3 and seen == [0.3, 0.5] and added == []  # bisected: the middle first
     assert record["original"] == record["retrieved"] == len(prompts) and record["roundings"] == 3
     assert len(record["rejected"]) == 1 and record["rejected"][0]["compression"] == 0.5
     assert record["rejected"][0]["retrieved"] < len(prompts)  # the fewest keys of its roundings
     with pytest.raises(KVFoldError, match="keeps the pass keys"):
         keep_passkeys(model, adapter, prompts, [_point(0.5)], Target("top1", 0.99), lambda p: [broken])
+
+
+def test_the_passing_points_are_bisected_not_walked_one_by_one():
+    """Seven passing points, keys kept at p <= 0.3: found in three checks, and the point chosen is 0.3."""
+    model, adapter, prompts, broken = _setup(2)
+    seen = []
+
+    def patches_for(point):
+        seen.append(point.compression)
+        return [{}, {}, {}] if point.compression <= 0.3 else [broken]
+
+    curve = [_point(p) for p in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)]
+    best, record, _ = keep_passkeys(model, adapter, prompts, curve, Target("top1", 0.99), patches_for)
+    assert best.compression == 0.3 and seen == [0.4, 0.2, 0.3]
+    assert [r["compression"] for r in record["rejected"]] == [0.4]
 
 
 def test_a_wide_gap_between_kept_and_rejected_is_narrowed_by_points_scored_between():
