@@ -8,6 +8,7 @@ import torch
 
 from kvfold_runtime.bands import decode_heads, encode_heads
 from kvfold_runtime.kernels import row_codec, write_paged
+from kvfold_runtime.kernels.cpu_bits import DecodeLayer, library
 from kvfold_runtime.kernels.paged_window import ring_slots, windowed_paged_attention, write_ring
 from kvfold_runtime.kernels.reference import reference_attention
 from tests.runtime.test_paged import _banded
@@ -23,8 +24,13 @@ def _oracle(q, k, v, coded_k, coded_v, i, sinks, window):
     return reference_attention(q[None, None], keys[None], values[None], D_K, D_V, GROUP, scaling=0.3)[0, 0]
 
 
+@pytest.mark.parametrize("decodes", ["torch", "c"])
 @pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64)])
-def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window):
+def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, decodes):
+    """decodes "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_bits.DecodeLayer:
+    codes and ring rows written, then attention over both); other steps as the torch path runs them."""
+    if decodes == "c" and library() is None:
+        pytest.skip("no C compiler here")
     dims = _banded(D_K, D_V, GROUP)
     codec = row_codec(dims)
     g = torch.Generator().manual_seed(7)
@@ -42,7 +48,8 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
         coded.append((decode_heads(rows[:, :k_bytes], dims.d_k, dims.k_bands, torch.float32),
                       decode_heads(rows[:, k_bytes:], dims.d_v, dims.v_bands, torch.float32)))
     per = [(n + BS - 1) // BS for n in total]
-    kv = torch.full((sum(per) + 1, 1, BS, sum(dims.row_bytes())), 0xFF, dtype=torch.uint8)  # NaN bytes unwritten
+    # block-outer, as vLLM lays out a windowed export's cache: a layer's blocks further apart than its rows
+    kv = torch.full((sum(per) + 1, 3, BS, sum(dims.row_bytes())), 0xFF, dtype=torch.uint8)[:, 1:2]  # NaN bytes
     table = torch.zeros(3, max(per), dtype=torch.int32)
     table[0, :per[0]] = torch.arange(per[0]) + 1
     table[1, :per[1]] = torch.arange(per[1]) + 1 + per[0]
@@ -61,12 +68,17 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
         value = torch.cat([vs[r][p] for r, p in zip(reqs, pos, strict=True)])
         query = torch.cat([qs[r][p] for r, p in zip(reqs, pos, strict=True)])
         slots = torch.cat([table[r, p // BS].long() * BS + p % BS for r, p in zip(reqs, pos, strict=True)])
-        write_paged(kv, slots, key, value, codec=codec)
         out = torch.full((query.shape[0], GROUP * sum(D_V)), float("nan"))
         seq_lens = torch.tensor(lens)
-        windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], table[reqs], seq_lens, starts,
-                                 codec, scaling=0.3, sinks=sinks, window=window, out=out)
-        write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
+        if decodes == "c" and max(news) == 1:
+            ran = DecodeLayer(dims, torch.uint8, BS)(query, key, value, slots, kv, table[reqs], seq_lens.int(), out,
+                                                     0.3, ring=(ring, ring_blocks[reqs], sinks, window))
+            assert ran
+        else:
+            write_paged(kv, slots, key, value, codec=codec)
+            windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], table[reqs], seq_lens, starts,
+                                     codec, scaling=0.3, sinks=sinks, window=window, out=out)
+            write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
         for i, r in enumerate(reqs):
             for row, p in enumerate(pos[i].tolist()):
                 want = _oracle(qs[r][p], ks[r], vs[r], *coded[r], p, sinks, window)

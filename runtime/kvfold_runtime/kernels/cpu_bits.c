@@ -334,6 +334,12 @@ void kvfold_encode_slots(const float *x, int64_t n_rows, int64_t x_stride, const
                             cache + (slots ? slots[r] : r) * row_bytes + at);
 }
 
+/* Where slot `slot` of a paged cache lies: blocks of block_size rows, `block_stride` bytes apart (a block-outer
+ * cache holds every layer's block of a request together, so a layer's blocks are further apart than its rows). */
+static inline int64_t slot_offset(int64_t slot, int64_t block_size, int64_t block_stride, int64_t row_bytes) {
+    return slot / block_size * block_stride + slot % block_size * row_bytes;
+}
+
 /* The rows src [n_rows, src_stride bytes], n_bytes each -> cache + slots[r] * row_bytes + at (slot -1: padding,
  * skipped): a rank layer's numbers, already in the cache's dtype, copied into vLLM's paged rows in place. */
 void kvfold_copy_slots(const uint8_t *src, int64_t n_rows, int64_t src_stride, int64_t n_bytes, uint8_t *cache,
@@ -596,15 +602,19 @@ typedef struct {
     const int64_t *ids64;
     const uint8_t *valid;
     const int32_t *ids32;
-    int64_t seq;
-    const uint8_t *ones, *partial;
+    int64_t lo, seq; /* table path: rows [lo, seq) are read from codes (lo > 0: a windowed layer's sinks skipped) */
+    const uint8_t *ones;
+    uint8_t *edge; /* a block only partly inside [lo, seq): its mask, written by block_seen */
 } request_blocks;
 
 static inline int64_t block_id(const request_blocks *rq, int64_t b) { return rq->ids64 ? rq->ids64[b] : rq->ids32[b]; }
 
 static inline const uint8_t *block_seen(const request_blocks *rq, int64_t b, int64_t block_size) {
     if (rq->valid) return rq->valid + b * block_size;
-    return (b + 1) * block_size <= rq->seq ? rq->ones : rq->partial; /* only a request's last block is partial */
+    int64_t start = b * block_size;
+    if (start >= rq->lo && start + block_size <= rq->seq) return rq->ones;
+    for (int64_t r = 0; r < block_size; r++) rq->edge[r] = start + r >= rq->lo && start + r < rq->seq;
+    return rq->edge;
 }
 
 /* Decode attention read straight from the paged cache's codes: for each request n and KV head g, the group's
@@ -619,7 +629,7 @@ static inline const uint8_t *block_seen(const request_blocks *rq, int64_t b, int
  * bytes relative to the row), likewise for values. q [N, Σ_h d_k(g(h))], out [N, Σ_h d_v(g(h))] float32, heads
  * packed in order, a KV head's `group` query heads next to each other. A query with no valid row gives 0. */
 static void attend(const uint8_t *blocks, const request_blocks *rq, int64_t first_block, int64_t last_block,
-                   int64_t block_size, int64_t row_bytes, const float *qg, int32_t group,
+                   int64_t block_size, int64_t block_bytes, int64_t row_bytes, const float *qg, int32_t group,
                    int32_t d_k, int32_t d_v, const int32_t *k_segments, int32_t k_first, int32_t k_last,
                    const int32_t *v_segments, int32_t v_first, int32_t v_last, const float *log8, float scaling,
                    float *kbuf, float *vbuf, int64_t padded, float *qpad, float *w, float *accpad, float *acc,
@@ -632,8 +642,7 @@ static void attend(const uint8_t *blocks, const request_blocks *rq, int64_t firs
      * [0, d_k) only; a wider head may have left numbers there, NaN from an unwritten row among them, and 0 · NaN
      * is NaN), the sums kept at the padded width in accpad [group, vp] (its columns past d_v, whatever vbuf held
      * there, are dropped). An export's widths are uneven (58, 47, 31, ...): a scalar tail per row cost more than
-     * the vectors before it. */
-    const int64_t block_bytes = block_size * row_bytes;
+     * the vectors before it. block_bytes: from one block to the next (block_size · row_bytes unless block-outer). */
     const int32_t kp = (d_k + 15) / 16 * 16, vp = (d_v + 15) / 16 * 16;
     float best[64]; /* a block's largest score per query (group <= 64: decode_attention_c's contract) */
     int64_t span[4];
@@ -718,25 +727,53 @@ static void attend(const uint8_t *blocks, const request_blocks *rq, int64_t firs
             acc[j * d_v + c] = c < vv.full ? accpad[j * vp + c] : accpad[j * vp + vv.full + c - (d_v - VW)];
 }
 
+/* A windowed layer's request of seq tokens reads positions [lo, hi) from codes (kvfold_decode_attention); without
+ * a ring, all of them. */
+static inline void code_rows(int64_t seq, int64_t sinks, int64_t window, int windowed, int64_t *lo, int64_t *hi) {
+    *lo = windowed ? (sinks < seq ? sinks : seq) : 0;
+    *hi = !windowed || seq - window > *lo ? seq - window * windowed : *lo;
+}
+
+/* The ring row of position p (kernels/paged_window.ring_slots). */
+static inline int64_t ring_slot(int64_t p, int64_t sinks, int64_t window) {
+    return p < sinks || window == 0 ? p : sinks + (p - sinks) % window;
+}
+
+/* Where KV head g's queries start in a row of q (packed query heads). */
+static inline int32_t q_at_of(const int32_t *d_k, int32_t g, int32_t group) {
+    int32_t at = 0;
+    for (int32_t h = 0; h < g; h++) at += group * d_k[h];
+    return at;
+}
+
 /* Every (request, KV head) over the OpenMP threads; where there are fewer of them than 16 per thread (a short
  * batch of long contexts), each one's blocks are split in parts that are summed afterwards, flash-decoding's
  * way (the parts' sums rescaled to the largest score). Request n reads either a plan's blocks, block_ids [N,
  * n_blocks] and valid [N, n_blocks · block_size] (table NULL), or (block_ids and valid NULL) its row of vLLM's
  * block table, table [N, ≥ n_blocks] (row stride table_stride) int32, and sees its first seq_lens[n] rows (at most
- * n_blocks blocks). Returns 0, or -1 when out of memory. */
+ * n_blocks blocks). block_bytes: from one block to the next (0: block_size · row_bytes, the blocks contiguous).
+ * `ring` (table path only; NULL: none): a windowed bits layer (kernels/paged_window.py), int64s
+ *   0 rows*  1 floats from one ring to the next  2 floats from one ring row to the next  3 ring_ids* (int32 [N])
+ *   4 sinks  5 window
+ * (*: addresses): request n reads positions [lo, hi) from codes, lo = min(sinks, seq), hi = max(lo, seq − window),
+ * and the others from its ring of float32 rows [k | v] (packed widths), the query's own row already written there
+ * (whole_rows). Returns 0, or -1 when out of memory. */
 int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, const int32_t *table, int64_t table_stride,
-                            const int32_t *seq_lens, int64_t n_blocks, int64_t block_size, const uint8_t *valid,
-                            int64_t row_bytes, const float *q, float *out, int64_t n_req,
+                            const int32_t *seq_lens, int64_t n_blocks, int64_t block_size, int64_t block_bytes,
+                            const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int64_t n_req,
                             int32_t n_kv, int32_t group, const int32_t *d_k, const int32_t *d_v,
                             const int32_t *k_segments, const int32_t *k_first, const int32_t *v_segments,
-                            const int32_t *v_first, const float *log8, float scaling) {
-    int32_t widest = 1, q_width = 0, o_width = 0, failed = 0;
+                            const int32_t *v_first, const float *log8, float scaling, const int64_t *ring) {
+    int32_t widest = 1, q_width = 0, o_width = 0, k_width = 0, failed = 0;
     for (int32_t g = 0; g < n_kv; g++) {
         widest = d_k[g] > widest ? d_k[g] : widest;
         widest = d_v[g] > widest ? d_v[g] : widest;
         q_width += group * d_k[g];
         o_width += group * d_v[g];
+        k_width += d_k[g];
     }
+    if (!block_bytes) block_bytes = block_size * row_bytes;
+    const int64_t sinks = ring ? ring[4] : 0, window = ring ? ring[5] : 0;
     if (table) { /* the blocks the longest request reads */
         int64_t longest = 0;
         for (int64_t n = 0; n < n_req; n++) longest = seq_lens[n] > longest ? seq_lens[n] : longest;
@@ -759,7 +796,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
         float *vbuf = kbuf ? kbuf + buf_floats : NULL, *qpad = vbuf ? vbuf + buf_floats : NULL;
         float *accpad = qpad ? qpad + group * padded : NULL;
         float *scores = malloc(sizeof(float) * (size_t)(block_size * group));
-        uint8_t *seen = malloc((size_t)(2 * block_size)); /* request_blocks' ones and partial */
+        uint8_t *seen = malloc((size_t)(2 * block_size)); /* request_blocks' ones and edge */
         if (!kbuf || !scores || !seen) {
             failed = 1;
         } else {
@@ -770,14 +807,14 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                 for (int32_t h = 0; h < g; h++) q_at += group * d_k[h];
                 int64_t b0 = part * per_part, b1 = b0 + per_part > n_blocks ? n_blocks : b0 + per_part;
                 float *acc = partial + item * stride, *top = acc + group * widest, *total = top + group;
-                request_blocks rq = {NULL, NULL, NULL, 0, seen, seen + block_size};
+                request_blocks rq = {NULL, NULL, NULL, 0, 0, seen, seen + block_size};
                 if (table) {
-                    rq.ids32 = table + n * table_stride, rq.seq = seq_lens[n];
-                    int64_t count = (rq.seq + block_size - 1) / block_size, last = rq.seq - (count - 1) * block_size;
+                    rq.ids32 = table + n * table_stride;
+                    code_rows(seq_lens[n], sinks, window, ring != NULL, &rq.lo, &rq.seq);
+                    int64_t count = (rq.seq + block_size - 1) / block_size, first = rq.lo / block_size;
+                    b0 = b0 > first ? b0 : first;
                     b1 = b1 < count ? b1 : count;
                     memset(seen, 1, (size_t)block_size);
-                    memset(seen + block_size, 0, (size_t)block_size);
-                    memset(seen + block_size, 1, (size_t)(count > 0 ? last : 0));
                 } else {
                     rq.ids64 = block_ids + n * n_blocks, rq.valid = valid + n * n_blocks * block_size;
                 }
@@ -785,7 +822,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     for (int32_t j = 0; j < group; j++) top[j] = -INFINITY, total[j] = 0.0f;
                     continue;
                 }
-                attend(blocks, &rq, b0, b1, block_size, row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g],
+                attend(blocks, &rq, b0, b1, block_size, block_bytes, row_bytes, q + n * q_width + q_at, group, d_k[g], d_v[g],
                        k_segments, k_first[g], k_first[g + 1], v_segments, v_first[g], v_first[g + 1], log8, scaling,
                        kbuf, vbuf, padded, qpad, scores, accpad, acc, top, total);
             }
@@ -803,11 +840,28 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
             int32_t g = (int32_t)(head % n_kv), o_at = 0;
             for (int32_t h = 0; h < g; h++) o_at += group * d_v[h];
             float *og = out + n * o_width + o_at;
+            /* a windowed layer's whole rows: positions [0, lo) and [hi, seq), from the request's ring */
+            int64_t lo = 0, hi = 0, n_whole = 0, k_at = 0, v_at = k_width;
+            for (int32_t h = 0; h < g; h++) k_at += d_k[h], v_at += d_v[h];
+            if (ring) {
+                code_rows(seq_lens[n], sinks, window, 1, &lo, &hi);
+                n_whole = lo + seq_lens[n] - hi;
+            }
+            const float *rows = ring ? (const float *)ring[0] + ((const int32_t *)ring[3])[n] * ring[1] : NULL;
+            float whole[n_whole + 1]; /* scores of one query over them (at most sinks + window) */
             for (int32_t j = 0; j < group; j++) {
                 float m = -INFINITY, sum = 0.0f, *oj = og + j * d_v[g];
+                const float *qj = q + n * q_width + q_at_of(d_k, g, group) + j * d_k[g];
                 for (int64_t part = 0; part < parts; part++) {
                     float t = partial[(head * parts + part) * stride + group * widest + j];
                     m = t > m ? t : m;
+                }
+                for (int64_t i = 0; i < n_whole; i++) {
+                    const float *row = rows + ring_slot(i < lo ? i : hi + i - lo, sinks, window) * ring[2] + k_at;
+                    float dot = 0.0f;
+                    for (int32_t c = 0; c < d_k[g]; c++) dot += qj[c] * row[c];
+                    whole[i] = dot * scaling;
+                    m = whole[i] > m ? whole[i] : m;
                 }
                 for (int32_t c = 0; c < d_v[g]; c++) oj[c] = 0.0f;
                 if (m == -INFINITY) continue; /* no row seen: 0 */
@@ -817,6 +871,12 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     float w = expf(top[j] - m);
                     sum += w * top[group + j];
                     for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * acc[j * d_v[g] + c];
+                }
+                for (int64_t i = 0; i < n_whole; i++) {
+                    const float *row = rows + ring_slot(i < lo ? i : hi + i - lo, sinks, window) * ring[2] + v_at;
+                    float w = expf(whole[i] - m);
+                    sum += w;
+                    for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * row[c];
                 }
                 for (int32_t c = 0; c < d_v[g]; c++) oj[c] /= sum;
             }
@@ -835,25 +895,47 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
  * (*: addresses). At batch 1 a layer's Python, three ctypes calls and their ~50 arguments cost more than its
  * attention over a short context; this is one call of fifteen. Returns kvfold_decode_attention's. */
 int kvfold_decode_layer(const int64_t *layer, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                        const int64_t *slots, uint8_t *cache, const int32_t *table, int64_t table_stride,
-                        const int32_t *seq_lens, int64_t n_blocks, const float *q, float *out, int64_t n_req,
-                        float scaling) {
+                        const int64_t *slots, uint8_t *cache, int64_t block_bytes, const int32_t *table,
+                        int64_t table_stride, const int32_t *seq_lens, int64_t n_blocks, const float *q, float *out,
+                        int64_t n_req, float scaling, const int64_t *ring) {
     const int64_t row_bytes = layer[1], block_size = layer[2], key_bytes = layer[3];
     const int32_t n_kv = (int32_t)layer[4], group = (int32_t)layer[5];
     const int32_t *d_k = (const int32_t *)layer[6], *d_v = (const int32_t *)layer[7];
     const float *log8 = (const float *)layer[16];
+    if (!block_bytes) block_bytes = block_size * row_bytes;
     if (layer[0]) {
-        kvfold_encode_slots(k, n_req, k_stride, (const int32_t *)layer[8], (int32_t)layer[9], log8, (int32_t)layer[17],
-                            cache, row_bytes, 0, slots);
-        kvfold_encode_slots(v, n_req, v_stride, (const int32_t *)layer[10], (int32_t)layer[11], log8,
-                            (int32_t)layer[17], cache, row_bytes, key_bytes, slots);
+#pragma omp parallel for schedule(static) if (n_req >= 128)
+        for (int64_t r = 0; r < n_req; r++) {
+            if (slots[r] < 0) continue; /* padding */
+            uint8_t *row = cache + slot_offset(slots[r], block_size, block_bytes, row_bytes);
+            encode_segments(k + r * k_stride, (const int32_t *)layer[8], (int32_t)layer[9], log8, (int32_t)layer[17],
+                            row);
+            encode_segments(v + r * v_stride, (const int32_t *)layer[10], (int32_t)layer[11], log8,
+                            (int32_t)layer[17], row + key_bytes);
+        }
     } else {
-        kvfold_copy_slots((const uint8_t *)k, n_req, k_stride * 4, key_bytes, cache, row_bytes, 0, slots);
-        kvfold_copy_slots((const uint8_t *)v, n_req, v_stride * 4, row_bytes - key_bytes, cache, row_bytes, key_bytes,
-                          slots);
+        for (int64_t r = 0; r < n_req; r++) {
+            if (slots[r] < 0) continue;
+            uint8_t *row = cache + slot_offset(slots[r], block_size, block_bytes, row_bytes);
+            memcpy(row, k + r * k_stride, (size_t)key_bytes);
+            memcpy(row + key_bytes, v + r * v_stride, (size_t)(row_bytes - key_bytes));
+        }
     }
-    return kvfold_decode_attention(cache, NULL, table, table_stride, seq_lens, n_blocks, block_size, NULL, row_bytes,
-                                   q, out, n_req, n_kv, group, d_k, d_v, (const int32_t *)layer[12],
+    if (ring) { /* a windowed layer: the step's whole row into its ring too (its slot held position seq − 1 − window,
+                 * which this query reads from codes), so that the attention reads every whole row from the ring */
+        int32_t k_width = 0, v_width = 0;
+        for (int32_t g = 0; g < n_kv; g++) k_width += d_k[g], v_width += d_v[g];
+        for (int64_t r = 0; r < n_req; r++) {
+            int64_t p = seq_lens[r] - 1;
+            if (p < 0 || (p >= ring[4] && ring[5] == 0)) continue; /* past the sinks, no window: codes only */
+            float *row = (float *)ring[0] + ((const int32_t *)ring[3])[r] * ring[1];
+            row += ring_slot(p, ring[4], ring[5]) * ring[2];
+            memcpy(row, k + r * k_stride, sizeof(float) * (size_t)k_width);
+            memcpy(row + k_width, v + r * v_stride, sizeof(float) * (size_t)v_width);
+        }
+    }
+    return kvfold_decode_attention(cache, NULL, table, table_stride, seq_lens, n_blocks, block_size, block_bytes, NULL,
+                                   row_bytes, q, out, n_req, n_kv, group, d_k, d_v, (const int32_t *)layer[12],
                                    (const int32_t *)layer[13], (const int32_t *)layer[14], (const int32_t *)layer[15],
-                                   log8, scaling);
+                                   log8, scaling, ring);
 }

@@ -90,11 +90,9 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
         _log.warning("kvfold: building the C decoder of bits caches failed (%s); decoding in torch (slower)", e)
         return None
     lib.kvfold_decode_attention.restype = ctypes.c_int
-    lib.kvfold_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_int32, ctypes.c_int32]
-    lib.kvfold_decode_attention.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_float]
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.kvfold_decode_attention.argtypes = [p, p, p, i64, p, i64, i64, i64, p, i64, p, p, i64, i32, i32,
+                                            *[p] * 7, ctypes.c_float, p]
     lib.kvfold_vector_loops.restype = ctypes.c_int
     lib.kvfold_encode_slots.restype = None
     lib.kvfold_encode_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -104,8 +102,7 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.kvfold_copy_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.kvfold_decode_layer.restype = ctypes.c_int
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.kvfold_decode_layer.argtypes = [p, p, i64, p, i64, p, p, p, i64, p, i64, p, p, i64, ctypes.c_float]
+    lib.kvfold_decode_layer.argtypes = [p, p, i64, p, i64, p, p, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -326,10 +323,10 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
         ids = None
     stride = 0 if table is None else table.stride(0)
     failed = lib.kvfold_decode_attention(blocks.data_ptr(), _ptr(ids), _ptr(table), stride, _ptr(lens),
-                                         block_ids.shape[1], blocks.shape[1], _ptr(valid),
+                                         block_ids.shape[1], blocks.shape[1], 0, _ptr(valid),
                                          row_bytes, q.data_ptr(), out.data_ptr(), n, len(dims.d_k), dims.group,
                                          lay.d_k.data_ptr(), lay.d_v.data_ptr(), k_seg.data_ptr(), k_first.data_ptr(),
-                                         v_seg.data_ptr(), v_first.data_ptr(), lay.log8.data_ptr(), scaling)
+                                         v_seg.data_ptr(), v_first.data_ptr(), lay.log8.data_ptr(), scaling, None)
     if failed:
         raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
     return out
@@ -341,8 +338,9 @@ class DecodeLayer:
     vLLM's block table and lengths. Made once per layer, for its cache's row dtype (uint8 codes of a bits layer, or
     a rank layer's float32 numbers) and block size: everything that does not change from step to step is packed
     here once, so a step's Python is a few addresses and one call (at batch 1, over a short context, a layer's
-    separate write and attention calls took 73–120 µs, nearly all Python and ctypes; this one 22–33). library() must
-    not be None."""
+    separate write and attention calls took 73–120 µs, nearly all Python and ctypes; this one 22–33). A windowed
+    bits layer (kernels/paged_window.py) passes its rings: the step's whole rows are written there too, and each
+    request reads its sinks and recent positions from them, the rest from codes. library() must not be None."""
 
     def __init__(self, dims: LayerDims, cache_dtype: torch.dtype, block_size: int) -> None:
         assert (cache_dtype == torch.uint8) if dims.banded else (cache_dtype == torch.float32)
@@ -357,25 +355,40 @@ class DecodeLayer:
              v_first.data_ptr(), lay.log8.data_ptr(), FIT_STEPS], dtype=torch.int64)
         self._row_bytes, self._block_size, self._call = lay.key_bytes + lay.value_bytes, block_size, \
             library().kvfold_decode_layer
+        self._width = sum(dims.d_k) + sum(dims.d_v)  # a ring row's floats
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-                 table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scaling: float) -> bool:
+                 table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scaling: float,
+                 ring: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> bool:
         """q [N, Σ_h d_k(g(h))] (any shape of those numbers, contiguous), k [N, …, Σ d_k] and v [N, …, Σ d_v] (unit
         stride along a row, any row stride), slots [N] int64, cache the layer's [num_blocks, …, block_size, C]
-        (contiguous), table [N, ≥ blocks] int32 (unit stride along a row), seq_lens [N] int32 (the new tokens
-        counted), out [N, …] float32 contiguous -> True once written and attended; False (nothing done) where the
-        tensors are not as described, for the caller's general path."""
+        (each block's rows contiguous, the blocks any stride apart: vLLM's block-outer layouts), table [N, ≥ blocks]
+        int32 (unit stride along a row), seq_lens [N] int32 (the new tokens counted), out [N, …] float32
+        contiguous; `ring`: (rows [ring_blocks, sinks + window, ≥ Σd_k + Σd_v] float32, unit stride along a row,
+        ring_blocks [N] int32 each request's ring, sinks, window) -> True once written and attended; False (nothing
+        done) where the tensors are not as described, for the caller's general path."""
         n = seq_lens.shape[0]
+        block = cache.reshape(cache.shape[0], -1, cache.shape[-1])  # a view where each block's rows are contiguous
         if not (q.dtype is k.dtype is v.dtype is out.dtype is torch.float32 and q.is_contiguous()
                 and out.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype is torch.int64
                 and slots.shape[0] == n == q.shape[0] == k.shape[0] == v.shape[0] and table.dtype is torch.int32
                 and table.stride(-1) == 1 and seq_lens.dtype is torch.int32 and seq_lens.is_contiguous()
-                and slots.is_contiguous() and cache.is_contiguous()
+                and slots.is_contiguous() and block.data_ptr() == cache.data_ptr() and block[0].is_contiguous()
                 and cache.shape[-1] * cache.element_size() == self._row_bytes and cache.shape[-2] == self._block_size
                 and q.device.type == "cpu"):
             return False
+        windowed = None
+        if ring is not None:
+            rows, ring_blocks, sinks, window = ring
+            if not (rows.dtype is torch.float32 and rows.stride(-1) == 1 and rows.device.type == "cpu"
+                    and rows.shape[-1] >= self._width and ring_blocks.shape[0] == n):
+                return False
+            ring_blocks = ring_blocks.to(torch.int32).contiguous()
+            windowed = torch.tensor([rows.data_ptr(), rows.stride(0), rows.stride(1), ring_blocks.data_ptr(), sinks,
+                                     window], dtype=torch.int64)
         if self._call(self._args.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                      cache.data_ptr(), table.data_ptr(), table.stride(0), seq_lens.data_ptr(), table.shape[1],
-                      q.data_ptr(), out.data_ptr(), n, scaling):
+                      block.data_ptr(), block.stride(0) * block.element_size(), table.data_ptr(), table.stride(0),
+                      seq_lens.data_ptr(), table.shape[1], q.data_ptr(), out.data_ptr(), n, scaling,
+                      None if windowed is None else windowed.data_ptr()):
             raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
         return True

@@ -265,7 +265,8 @@ def decode_layer_c(dims: LayerDims, kv: torch.Tensor, fp8: torch.dtype | None) -
     codec = row_codec(dims, fp8)
     blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
     query = blocks.new_empty(0, dtype=torch.float32)  # what _reads_in_c asks of the query: a CPU float32 one
-    if not _reads_in_c(codec, query, blocks) or (not dims.banded and blocks.dtype != torch.float32):
+    # one block's rows contiguous is enough: DecodeLayer takes the blocks any stride apart (block-outer layouts)
+    if not _reads_in_c(codec, query, blocks[:1]) or (not dims.banded and blocks.dtype != torch.float32):
         return None
     return DecodeLayer(dims, blocks.dtype, blocks.shape[1])
 

@@ -181,6 +181,13 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         blocks = context.attn_metadata[name].blocks
         n = meta.num_actual_tokens
         k, v = key[:n].reshape(n, -1), value[:n].reshape(n, -1)
+        if meta.max_query_len == 1:  # decodes: one C call if it runs (codes and ring rows written, then attention)
+            if self._decode_layer is None:
+                self._decode_layer = decode_layer_c(self.dims, kv_cache, None) or False
+            if self._decode_layer and self._decode_layer(query[:n], k, v, meta.slot_mapping, kv_cache, meta.block_table,
+                                                         meta.seq_lens, output[:n], self.scale,
+                                                         ring=(ring, blocks, sinks, window)):
+                return output
         write_paged(kv_cache, meta.slot_mapping, k, v, codec=codec)
         windowed_paged_attention(query[:n].reshape(n, -1), k, v, kv_cache, ring, blocks, meta.block_table,
                                  meta.seq_lens, meta.query_start_loc, codec, scaling=self.scale, sinks=sinks,
