@@ -46,7 +46,7 @@ class AttentionPatch:
     whole: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], QKV] | None = None
 
 
-# query rows per block of exact_recent_attention: two [B, H, rows, T] score blocks at a time, not [T, T]
+# query rows per block of exact_recent_attention: one SDPA over the keys the block reads, not [T, T] at once
 _ROWS = 512
 
 
@@ -65,18 +65,26 @@ def exact_recent_attention(query: torch.Tensor, exact: tuple[torch.Tensor, torch
                 for w, c in zip(exact, cached, strict=True))
         out = F.scaled_dot_product_attention(query.float(), k, v, is_causal=True, scale=scaling)
         return out.transpose(1, 2).to(query.dtype)
-    k0, v0, k1, v1 = (x.repeat_interleave(group, dim=1).float() for x in (*exact, *cached))
-    q = query.float() * scaling
-    j = torch.arange(t, device=query.device)
+    # Per block of _ROWS queries [a, e), one SDPA over just the keys the block reads, each once: the sinks below its
+    # band, the whole rows of its band [a − window + 1, e), the codes of [sinks, e − window); the mask says which
+    # query reads which. Close to one causal attention's work; forming both full score matrices per block and
+    # choosing entries (the first version) took 5.9x as long for a SmolLM2 layer at 4,096 tokens on 2 cores.
+    q = query.float()
+    k0, v0, k1, v1 = (x.float() for x in (*exact, *cached))
     out = []
-    for at in range(0, t, _ROWS):
-        i = j[at:at + _ROWS, None]
-        whole = (j[None, :] < sinks) | (i - j[None, :] < window)
-        seen = j[None, :] <= i
-        rows = q[:, :, at:at + _ROWS]
-        scores = torch.where(whole, rows @ k0.transpose(-1, -2), rows @ k1.transpose(-1, -2))
-        p = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-        out.append(torch.where(whole, p, 0.0) @ v0 + torch.where(whole, 0.0, p) @ v1)
+    for a in range(0, t, _ROWS):
+        e = min(a + _ROWS, t)
+        lo, hi = max(0, a - window + 1), max(sinks, e - window)
+        below = min(sinks, lo)  # sinks left of the band
+        i = torch.arange(a, e, device=query.device)[:, None]
+        j = torch.arange(lo, e, device=query.device)[None, :]
+        band = ((j < sinks) | (i - j < window)) & (j <= i)
+        coded = torch.arange(sinks, hi, device=query.device)[None, :] <= i - window
+        mask = torch.cat([band.new_ones(e - a, below), band, coded], 1)
+        k = torch.cat([k0[:, :, :below], k0[:, :, lo:e], k1[:, :, sinks:hi]], 2)
+        v = torch.cat([v0[:, :, :below], v0[:, :, lo:e], v1[:, :, sinks:hi]], 2)
+        out.append(F.scaled_dot_product_attention(q[:, :, a:e], k, v, attn_mask=mask, scale=scaling,
+                                                  enable_gqa=group > 1))
     return torch.cat(out, dim=2).transpose(1, 2).to(query.dtype)
 
 

@@ -129,7 +129,7 @@ def test_rope_archs_listed():
     assert set(ROPE_ARCHS) == {a for a in TINY_CONFIGS if get_adapter(a).rope}
 
 
-@pytest.mark.parametrize(("sinks", "window"), [(3, 4), (3, 0), (0, 30)])
+@pytest.mark.parametrize(("sinks", "window"), [(3, 4), (7, 3), (3, 0), (0, 30)])
 def test_exact_recent_attention_reads_sinks_and_the_window_whole(sinks, window):
     """Against a per-query loop: query i reads key/value j from the whole tensors where j < sinks or i − j <
     window, else from the cached ones (GQA: 4 query heads over 2 KV heads), across row blocks; with no window, or
