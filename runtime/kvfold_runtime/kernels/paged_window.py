@@ -18,8 +18,9 @@ Plain torch, any device. The step's one-token requests run together (kernels.pag
 blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, the
 whole ones put in place, and where its queries differ in which tokens they read whole (several query rows and a
 window), one attention over the codes with each row's window band recomputed from the whole rows (_banded: one score
-matrix and W dot products a row, where forming both full score matrices costs two). C does not run here: it reads
-codes only, not a ring.
+matrix and W dot products a row, where forming both full score matrices costs two). On a CPU, vLLM's backend runs a
+step of decodes only in C instead (cpu_bits.DecodeLayer with the rings: the step's row written to its ring first, as
+no decode reads its own slot's previous row whole); this path serves the other steps and devices.
 """
 
 from __future__ import annotations
