@@ -15,10 +15,9 @@ its keys and values, older ones from the ring — and only then writes its rows 
 the window cannot overwrite rows its first queries still read.
 
 Plain torch, any device. The step's one-token requests run together (kernels.paged's batched decode over their
-blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, the
-whole ones put in place, and where its queries differ in which tokens they read whole (several query rows and a
-window), one attention over the codes with each row's window band recomputed from the whole rows (_banded: one score
-matrix and W dot products a row, where forming both full score matrices costs two). On a CPU, vLLM's backend runs a
+blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, its
+whole rows gathered, and one causal attention over the codes merged with the whole rows' part
+(kernels.window_prefill, through the caller's fast causal kernel where it gives one). On a CPU, vLLM's backend runs a
 step of decodes only in C instead (cpu_bits.DecodeLayer with the rings: the step's row written to its ring first, as
 no decode reads its own slot's previous row whole); this path serves the other steps and devices.
 """
@@ -29,12 +28,9 @@ import torch
 
 from kvfold_runtime.kernels.paged import BandPages, BandRows, PrefillAttention, StepPlan, _gather, plan_step
 from kvfold_runtime.kernels.torch_decode import packed_decode
-from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
+from kvfold_runtime.kernels.window_prefill import windowed_prefill
 
 __all__ = ["ring_slots", "windowed_paged_attention", "write_ring"]
-
-_ROWS = 512  # query rows per block of a prefill's banded attention (_banded)
-
 
 def ring_slots(positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """The ring slot of each position (see the module docstring)."""
@@ -107,58 +103,12 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         mine = torch.cat([key[first:first + t], value[first:first + t]], -1).to(ring.dtype)
         exact[~from_ring] = mine[positions[~from_ring] - old]
         exact = exact.to(query.dtype)
-        q = query[first:first + t]
-        if window and max(sinks, lo) < s - window:  # the queries differ in which tokens they read whole
-            o = _banded(q, k, v, positions, exact, d_k, d_v, dims.group, scaling=scaling, sinks=sinks, window=window)
-        else:  # every query reads the same tokens whole: put them in place, one causal attention
-            k[positions], v[positions] = exact[:, :split], exact[:, split:]
-            o = None if prefill is None else prefill(q, k, v, d_k, d_v, dims.group, scaling=scaling)
-            if o is None:
-                o = sdpa_attention(q[None], k[None], v[None], d_k, d_v, dims.group, scaling=scaling)[0]
+        k_whole, v_whole = torch.zeros_like(k), torch.zeros_like(v)
+        k_whole[positions], v_whole[positions] = exact[:, :split], exact[:, split:]
+        o = windowed_prefill(query[first:first + t], k, v, k_whole, v_whole, d_k, d_v, dims.group, scaling=scaling,
+                             sinks=sinks, window=window, causal=prefill)
         out[first:first + t] = o.to(out.dtype)
     return out
-
-
-def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, exact: torch.Tensor,
-            d_k: list[int], d_v: list[int], group: int, *, scaling: float, sinks: int, window: int) -> torch.Tensor:
-    """One request's t queries (the last t of its s positions) whose windows differ: keys and values k, v [s, ·] as
-    their codes give them back, `exact` [n, Σd_k + Σd_v] the whole rows at `positions`. The sinks and the last
-    `window` positions are whole for every query: put in place. Older window positions j are whole only for the
-    queries i with i − j < window, a band below the diagonal: each query's `window` band scores are recomputed
-    from the whole keys and its probabilities there also weigh the whole values (the difference added), so a row
-    costs one attention over the codes plus `window` dot products (torch_window.window_attention forms two full
-    score matrices)."""
-    s, t = k.shape[0], q.shape[0]
-    split = sum(d_k)
-    k_ex, v_ex = torch.zeros_like(k), torch.zeros_like(v)
-    k_ex[positions], v_ex[positions] = exact[:, :split], exact[:, split:]
-    uniform = positions[(positions < sinks) | (positions >= s - window)]
-    k, v = k.clone(), v.clone()
-    k[uniform], v[uniform] = k_ex[uniform], v_ex[uniform]
-    i = torch.arange(s - t, s, device=q.device)  # the queries' positions
-    j = i[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :]  # [t, window]: each one's window
-    band = (j >= max(sinks, 0)) & (j < s - window)  # positions some queries read whole, others from codes
-    j = j.clamp(min=0)
-    causal = torch.arange(s, device=q.device)[None, :] > i[:, None]  # [t, s]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qs, out = q.split([group * w for w in d_k], -1), []
-    ks, vs, kxs, vxs = k.split(d_k, -1), v.split(d_v, -1), k_ex.split(d_k, -1), v_ex.split(d_v, -1)
-    for g, (dk, dv) in enumerate(zip(d_k, d_v, strict=True)):
-        qg = qs[g].view(t, group, dk).transpose(0, 1).to(acc) * scaling  # [group, t, dk]
-        kg, vg, kx, vx = ks[g].to(acc), vs[g].to(acc), kxs[g].to(acc), vxs[g].to(acc)
-        rows = []
-        for at in range(0, t, _ROWS):
-            r = slice(at, at + _ROWS)
-            jr, br = j[r], band[r]
-            at_j = jr.expand(group, -1, -1)  # clamped out-of-band entries repeat a column: added as 0 there
-            scores = (qg[:, r] @ kg.T).masked_fill_(causal[r], float("-inf"))  # [group, rows, s]
-            whole = torch.einsum("grd,rwd->grw", qg[:, r], kx[jr])
-            scores.scatter_add_(2, at_j, torch.where(br, whole - scores.gather(2, at_j), 0.0))
-            p = scores.softmax(-1)
-            fix = torch.einsum("grw,rwd->grd", p.gather(2, at_j) * br, vx[jr] - vg[jr])
-            rows.append(p @ vg + fix)
-        out.append(torch.cat(rows, 1).transpose(0, 1).reshape(t, group * dv).to(q.dtype))
-    return torch.cat(out, -1)
 
 
 def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, ring: torch.Tensor,
