@@ -13,6 +13,8 @@ from rich.logging import RichHandler
 
 from kvfold.console import err, out, user_errors
 from kvfold.plan.formats import FORMATS
+from kvfold.plan.formats.base import LONG_CONTEXT, SHORT_CONTEXT
+from kvfold.plan.formats.bits import SINKS, WINDOW
 from kvfold.plan.recipe import DEFAULT_METRIC, Recipe, RecipeOverrides
 
 # kvfold.api (torch, transformers) and kvfold.report are imported inside each command, where the work starts,
@@ -122,17 +124,20 @@ def export(
                                                    "anywhere (the older allocation) "
                                                    f"{_by_format('band_align_default')}.")
                           ] = None,
-    search_context: Annotated[int | None, typer.Option(help="Score every candidate in windows of this many tokens; "
-                                                       "long context: 4096 with --score-from 1024 "
-                                                       f"{_default('search_context')}.")] = None,
+    search_context: Annotated[int | None, typer.Option(help="Score every candidate in windows of this many tokens "
+                                                       f"[{LONG_CONTEXT} where a window is kept whole (or the "
+                                                       f"model's positions), else {SHORT_CONTEXT}].")] = None,
     score_from: Annotated[int | None, typer.Option(help="Score each window's predictions from this position on "
-                                                   f"{_default('score_from')}.")] = None,
+                                                   "[a quarter of the window where a window is kept whole, "
+                                                   "else 1].")] = None,
     sinks: Annotated[int | None, typer.Option(help="Bits format: keep every layer's first SINKS tokens whole too "
                                               "(attention sinks); vLLM serves it with --no-enable-prefix-caching "
-                                              f"{_default('sinks')}.")] = None,
+                                              f"[{SINKS} where the model's positions reach {LONG_CONTEXT}, "
+                                              "else 0].")] = None,
     window: Annotated[int | None, typer.Option(help="Bits format: keep every layer's last WINDOW tokens whole too; "
-                                               "bytes then stated at 4,096 tokens "
-                                               f"{_default('window')}.")] = None,
+                                               "bytes then stated at 4,096 tokens; 0 with --sinks 0: the plain "
+                                               f"bits cache [{WINDOW} where the model's positions reach "
+                                               f"{LONG_CONTEXT}, else 0].")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,

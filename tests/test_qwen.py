@@ -87,7 +87,8 @@ def test_bits_export_meets_its_target_on_held_out_text(calib, tmp_path):
     out = tmp_path / "export"
     done = CliRunner().invoke(app, ["export", ALIAS, "--calib", str(calib), "--format", "bits", "--accuracy", "0.9",
                                     "--margin", "0", "--eval-text", "pysrc:dev", "--eval-tokens", "512",
-                                    "--search-steps", "3", "--passkey", "0", "-o", str(out),
+                                    "--search-steps", "3", "--passkey", "0", "--sinks", "0", "--window", "0",
+                                    "-o", str(out),
                                     "--dtype", "auto"])
     assert done.exit_code == 0, done.output
     _verify(out, "pysrc:eval", "target pysrc:eval")

@@ -38,10 +38,11 @@ class Recipe(BaseModel):
     eval_text: str = "wiki:dev+pydoc:dev"
     eval_tokens: int = Field(default=16384, ge=1)  # ±0.4% standard error on SmolLM2 top-1 ratio
     # The windows every candidate is scored on: `search_context` tokens each, every prediction from position
-    # `score_from` on. Long context (issue 51): --search-context 4096 --score-from 1024, so that a cache's recent
-    # window (--window) cannot hide the error of its history. 512 and 1: short-context serving (the default).
-    search_context: int = Field(default=512, ge=16)
-    score_from: int = Field(default=1, ge=1)
+    # `score_from` on. None: the format's for the cache (plan/formats resolve): a cache that keeps a window whole is
+    # judged at long context, 4,096 tokens from position 1,024 on (issue 51: its recent window must not hide the
+    # error of its history), else in 512-token windows from the first position (short-context serving).
+    search_context: int | None = Field(default=None, ge=16)
+    score_from: int | None = Field(default=None, ge=1)
     multiple: int = Field(default=8, ge=1)  # round ranks up to this (16 for GPU kernels)
     min_rank: int = Field(default=8, ge=0)
     # r_v = v_scale · r_k along the searched family (bits: θ_v = v_scale · θ_k); None: the format's (plan/formats;
@@ -80,8 +81,9 @@ class Recipe(BaseModel):
     # and a query reads them whole and the rest from the codes (issue 51: attention sinks and the recent tokens take
     # most of the attention). The search and the pass keys score that cache; bytes are stated at 4,096 tokens
     # (plan/bits.WINDOW_CONTEXT). Served by the transformers runtime and vLLM (no prefix caching). 0 and 0: none.
-    sinks: int = Field(default=0, ge=0)
-    window: int = Field(default=0, ge=0)
+    # None: the format's for the model (plan/formats/bits.py: 16 and 64 where its positions reach 4,096).
+    sinks: int | None = Field(default=None, ge=0)
+    window: int | None = Field(default=None, ge=0)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).
@@ -126,7 +128,7 @@ class Recipe(BaseModel):
             raise ValueError("give exactly one of accuracy, ratio or max_kl")
         if (self.metric == "kl") != (self.max_kl is not None) and self.ratio is None:
             raise ValueError("the kl metric takes --max-kl X (nats), the others --accuracy A")
-        if self.score_from >= self.search_context:
+        if self.score_from is not None and self.search_context is not None and self.score_from >= self.search_context:
             raise ValueError(f"--score-from must be less than --search-context ({self.search_context} tokens)")
         if 0 < self.passkey < 256:
             raise ValueError("passkey must be 0 (skip) or at least 256 tokens")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import ValidationError
 from torch import nn
+from transformers import AutoConfig
 
 from kvfold.calib.artifact import CalibStats
 from kvfold.errors import KVFoldError
@@ -19,7 +21,7 @@ from kvfold.plan.search import best_point
 from kvfold.sources.models import ModelRef, weights_sha256
 from kvfold.sources.text import resolve_text
 
-__all__ = ["check_inputs", "context_positions", "pick"]
+__all__ = ["check_inputs", "context_positions", "model_positions", "pick"]
 
 
 def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousExport | None = None) -> ExportInputs:
@@ -34,7 +36,11 @@ def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousE
     if kv_heads % recipe.tp:
         raise KVFoldError(f"--tp {recipe.tp}: the model's {kv_heads} KV heads do not split over {recipe.tp} "
                           f"tensor-parallel ranks; give a --tp that divides {kv_heads}")
-    recipe = get_format(recipe.format).resolve(recipe, stats.header.model.head_dim)  # e.g. the bits' band_align
+    try:  # the defaults that depend on the model: the bits' band_align, its window where it serves long context
+        recipe = get_format(recipe.format).resolve(recipe, stats.header.model.head_dim, model_positions(ref))
+    except ValidationError as e:
+        flag = "--" + "-".join(str(p) for p in e.errors()[0]["loc"]).replace("_", "-") if e.errors()[0]["loc"] else ""
+        raise KVFoldError(f"{flag or 'options'}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     if recipe.band_align is not None:
         check_align(stats.header.model.head_dim, recipe.band_align)
     if previous is not None:
@@ -63,6 +69,12 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         if theirs != ours:
             raise KVFoldError(f"--reuse-curve: '{prev.path}' was searched with a different {what}; "
                               "export without --reuse-curve")
+
+
+def model_positions(ref: ModelRef) -> int:
+    """The positions the model reaches (its text config's max_position_embeddings; 0 where it names none)."""
+    config = AutoConfig.from_pretrained(ref.path).get_text_config()
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
 def context_positions(recipe: Recipe, previous: PreviousExport | None, net: nn.Module, rope: bool) -> int | None:

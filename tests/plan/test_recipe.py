@@ -68,10 +68,10 @@ def test_band_align_is_the_bits_formats_own_and_recorded_as_its_rank_rounding():
     bits = Recipe(accuracy=0.99, format="bits")
     assert bits.band_align is None
     fmt = get_format("bits")
-    assert [(r.band_align, r.rounding) for r in (fmt.resolve(bits, 64), fmt.resolve(bits, 128))] == [(8, (8, 0)),
-                                                                                                     (16, (16, 0))]
-    assert fmt.resolve(bits.model_copy(update={"band_align": 32}), 64).band_align == 32
-    bits = fmt.resolve(bits, 128)
+    assert [(r.band_align, r.rounding) for r in (fmt.resolve(bits, 64, 2048), fmt.resolve(bits, 128, 2048))] == [
+        (8, (8, 0)), (16, (16, 0))]
+    assert fmt.resolve(bits.model_copy(update={"band_align": 32}), 64, 2048).band_align == 32
+    bits = fmt.resolve(bits, 128, 2048)
     assert load_recipe(None, {"accuracy": 0.99, "format": "bits", "band_align": 1}).rounding == (1, 0)
     assert Recipe(accuracy=0.99).band_align is None
     assert Recipe.model_validate(bits.model_dump()) == bits
@@ -80,6 +80,30 @@ def test_band_align_is_the_bits_formats_own_and_recorded_as_its_rank_rounding():
         load_recipe(None, {"accuracy": 0.99, "band_align": 16})
     with pytest.raises(KVFoldError, match="--band-align: Input should be greater than or equal to 1"):
         load_recipe(None, {"accuracy": 0.99, "format": "bits", "band_align": 0})
+
+
+def test_a_long_context_model_gets_the_windowed_bits_format_judged_at_long_context():
+    """Bits: a model whose positions reach 4,096 keeps 16 sink and 64 recent tokens whole by default, and a windowed
+    recipe is searched in 4,096-token windows from position 1,024 (or the model's positions, scored from a quarter
+    in); a shorter model, the rank format, and `--window 0 --sinks 0` keep the plain cache judged in 512-token
+    windows. Given values stay; a --score-from past the windows is an error naming the flag."""
+    from kvfold.plan.formats import get_format
+
+    bits, rank = get_format("bits"), get_format("rank")
+    got = bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 8192)
+    assert (got.sinks, got.window, got.search_context, got.score_from) == (16, 64, 4096, 1024)
+    got = bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 2048)
+    assert (got.sinks, got.window, got.search_context, got.score_from) == (0, 0, 512, 1)
+    got = bits.resolve(Recipe(accuracy=0.99, format="bits", sinks=0, window=0), 64, 8192)
+    assert (got.sinks, got.window, got.search_context, got.score_from) == (0, 0, 512, 1)
+    got = bits.resolve(Recipe(accuracy=0.99, format="bits", sinks=4, window=32), 64, 2048)
+    assert (got.sinks, got.window, got.search_context, got.score_from) == (4, 32, 2048, 512)
+    got = bits.resolve(Recipe(accuracy=0.99, format="bits", window=8, search_context=256), 64, 8192)
+    assert (got.sinks, got.window, got.search_context, got.score_from) == (0, 8, 256, 64)
+    got = rank.resolve(Recipe(accuracy=0.99), 64, 8192)
+    assert (got.sinks, got.window, got.search_context, got.score_from) == (0, 0, 512, 1)
+    with pytest.raises(ValueError, match="--score-from must be less than --search-context"):
+        bits.resolve(Recipe(accuracy=0.99, format="bits", score_from=4096), 64, 8192)
 
 
 def test_overrides_are_the_recipes_fields_and_errors_name_the_flag():

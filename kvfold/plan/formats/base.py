@@ -34,7 +34,24 @@ if TYPE_CHECKING:
     from kvfold.plan.rounding import HeadScales
     from kvfold.plan.sensitivity import LayerScales
 
-__all__ = ["CacheFormat"]
+__all__ = ["LONG_CONTEXT", "SHORT_CONTEXT", "CacheFormat", "scoring_windows"]
+
+# A cache that keeps a recent window whole is judged at long context: the search scores windows of LONG_CONTEXT
+# tokens (or the model's positions, if fewer) from a quarter of the way in, so the window is a small share of what
+# each scored token reads (issue 51: at 512 tokens a 64-token window hides the history's error). Other caches: 512
+# tokens from the first position, the serving context every earlier export was judged at.
+LONG_CONTEXT = 4096
+SHORT_CONTEXT = 512
+
+
+def scoring_windows(recipe: Recipe, positions: int) -> Recipe:
+    """`recipe` (its sinks and window resolved) with the search's windows filled in where not given, and checked."""
+    from kvfold.plan.recipe import Recipe  # the recipe imports the formats: only at call time
+
+    windowed = bool(recipe.sinks or recipe.window)
+    context = recipe.search_context or (min(LONG_CONTEXT, positions or LONG_CONTEXT) if windowed else SHORT_CONTEXT)
+    score_from = recipe.score_from or (context // 4 if windowed else 1)
+    return Recipe.model_validate({**recipe.model_dump(), "search_context": context, "score_from": score_from})
 
 
 class CacheFormat:
@@ -56,9 +73,11 @@ class CacheFormat:
     def check(self, recipe: Recipe) -> None:
         """ValueError, its message saying the fix, for options this format refuses; none by default."""
 
-    def resolve(self, recipe: Recipe, head_dim: int) -> Recipe:
-        """The recipe with the defaults that depend on the model filled in; as given by default."""
-        return recipe
+    def resolve(self, recipe: Recipe, head_dim: int, positions: int) -> Recipe:
+        """The recipe with the defaults that depend on the model (its head_dim, the positions it reaches) filled
+        in: by default no whole tokens, and the scoring windows for the cache (scoring_windows)."""
+        return scoring_windows(recipe.model_copy(update={"sinks": recipe.sinks or 0, "window": recipe.window or 0}),
+                               positions)
 
     def rounding(self, recipe: Recipe) -> tuple[int, int]:
         """(multiple, min_rank) the ranks are rounded with: the recipe's own by default."""
