@@ -25,7 +25,7 @@ def _oracle(q, k, v, coded_k, coded_v, i, sinks, window):
 
 
 @pytest.mark.parametrize("decodes", ["torch", "c"])
-@pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64)])
+@pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64), (5, 4)])
 def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, decodes):
     """decodes "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_bits.DecodeLayer:
     codes and ring rows written, then attention over both); other steps as the torch path runs them."""

@@ -94,7 +94,7 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
         old = s - t  # tokens cached before this step
         k, v = codec.decode(_gather(blocks, block_table[r], 0, s), query.dtype)  # [s, Σd_k], [s, Σd_v]
         # whole rows: the sinks, and every position some query of the step reads inside its window
-        lo = max(sinks, old - window + 1) if window else s
+        lo = min(s, max(sinks, old - window + 1)) if window else s  # a prompt shorter than the sinks: none
         positions = torch.cat([torch.arange(min(sinks, s)), torch.arange(lo, s)]).to(kv.device)
         from_ring = positions < old
         exact = torch.empty(positions.shape[0], split + sum(d_v), dtype=ring.dtype, device=ring.device)

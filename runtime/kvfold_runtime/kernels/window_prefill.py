@@ -89,20 +89,21 @@ def _whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int], d_
     for lo in range(0, t, _ROWS):
         hi = min(t, lo + _ROWS)
         position = torch.arange(s - t + lo, s - t + hi, device=q.device)[:, None]  # the block's queries
-        first = max(sinks, s - t + lo - window + 1)  # the block's window rows: [first, its last query]
-        j = torch.arange(first, s - t + hi, device=q.device)[None, :]
+        end = s - t + hi  # past the block's last query
+        first = min(end, max(sinks, s - t + lo - window + 1))  # the block's window rows [first, end): none below
+        j = torch.arange(first, end, device=q.device)[None, :]
         band = (j <= position) & (position - j < window)  # [rows, span]
         sink = torch.arange(n_sinks, device=q.device)[None, :] <= position  # [rows, sinks]
         seen = torch.cat([sink, band], 1)[:, None, :]  # [rows, 1, sinks + span]
         for g, (dk, dv) in enumerate(zip(d_k, d_v, strict=True)):
             qg = qs[g][lo:hi].view(-1, group, dk)
-            keys = torch.cat([ks[g][:n_sinks], ks[g][first:s - t + hi]])  # [sinks + span, dk]
+            keys = torch.cat([ks[g][:n_sinks], ks[g][first:end]])  # [sinks + span, dk]
             scores = (qg @ keys.T * scaling).masked_fill_(~seen, float("-inf"))  # [rows, group, sinks + span]
             top = scores.amax(-1, keepdim=True)  # every query sees a whole row: finite
             weights = scores.sub_(top).exp_()
             total = weights.sum(-1, keepdim=True)
             lse[lo:hi, g] = (top + total.log()).squeeze(-1)
-            out[lo:hi, g, :, :dv] = weights @ torch.cat([vs[g][:n_sinks], vs[g][first:s - t + hi]]) / total
+            out[lo:hi, g, :, :dv] = weights @ torch.cat([vs[g][:n_sinks], vs[g][first:end]]) / total
     return out, lse
 
 
