@@ -2,7 +2,7 @@
 # Set up, then run the main job on the embedded default, SmolLM2-135M:
 # 1. calibrate on Wikipedia text and show the spectra;
 # 2. export in the bits format (each kept dim stored at 2–16 bits) at 99% of the original's next-token
-#    accuracy: about a third of fp16's KV bytes;
+#    accuracy at 4K context, each layer's first 16 and last 64 tokens kept whole: about 0.29 of fp16's KV bytes;
 # 3. verify it: integrity, held-out accuracy against the original on Wikipedia and on Python's docs, pass keys,
 #    the live cache's bytes, generations (exit 1 when a check fails, which stops the demo);
 # 4. serve it in vLLM beside the original and vLLM's own fp8 cache, each given the same KV budget: the table

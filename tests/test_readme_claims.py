@@ -122,8 +122,6 @@ CLAIMS: list[Claim] = [
     Claim("1.035", QWEN, M + "int8_per_token_head/points/0/parts/1/ppl_ratio", note="pysrc:eval, the code text"),
     # Measured: how far to trust it; the default exports
     Claim("0.002–0.007", VLLM, BITS + "/points/*knob=*/top1_se", "min–max"),
-    Claim("0.337", PAIRED, "configurations/export:bits/compression_p", "1 - value"),
-    Claim("0.337", LIMITED, "configurations/export:bits/compression_p", "1 - value"),
     Claim("10/10", PAIRED, ("configurations/export:bits/long_context/passkeys/retrieved",
                             "configurations/export:bits/long_context/passkeys/prompts"), "count/of"),
     Claim("4K", PAIRED, "workloads/long_context/prompt_tokens", "tokens in K"),
@@ -172,6 +170,7 @@ ALLOWED: dict[str, str] = {
     "1.0": "vLLM 0.32's default k/v scale for kv_cache_dtype='fp8' without calibrated scales "
            "(vllm/model_executor/layers/attention/attention.py, set_default_quant_scales)",
     "4,096": "export's --passkey default (tokens of its pass-key prompts), a setting",
+    "1,024": "export's --score-from for a windowed cache (a quarter of its 4,096-token windows), a setting",
     "0": "`--passkey 0`, an option value",
     "1": "batch 1: the paired decode's one request (serve-paired.json's long workload)",
 }
