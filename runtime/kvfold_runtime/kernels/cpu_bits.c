@@ -757,7 +757,7 @@ static inline int32_t q_at_of(const int32_t *d_k, int32_t g, int32_t group) {
  *   4 sinks  5 window
  * (*: addresses): request n reads positions [lo, hi) from codes, lo = min(sinks, seq), hi = max(lo, seq − window),
  * and the others from its ring of float32 rows [k | v] (packed widths), the query's own row already written there
- * (whole_rows). Returns 0, or -1 when out of memory. */
+ * (kvfold_decode_layer); merged with the codes' parts where those are summed. Returns 0, or -1 when out of memory. */
 int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, const int32_t *table, int64_t table_stride,
                             const int32_t *seq_lens, int64_t n_blocks, int64_t block_size, int64_t block_bytes,
                             const uint8_t *valid, int64_t row_bytes, const float *q, float *out, int64_t n_req,
@@ -803,8 +803,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < heads * parts; item++) {
                 int64_t n = item / (n_kv * parts), part = item % parts;
-                int32_t g = (int32_t)(item / parts % n_kv), q_at = 0;
-                for (int32_t h = 0; h < g; h++) q_at += group * d_k[h];
+                int32_t g = (int32_t)(item / parts % n_kv), q_at = q_at_of(d_k, g, group);
                 int64_t b0 = part * per_part, b1 = b0 + per_part > n_blocks ? n_blocks : b0 + per_part;
                 float *acc = partial + item * stride, *top = acc + group * widest, *total = top + group;
                 request_blocks rq = {NULL, NULL, NULL, 0, 0, seen, seen + block_size};
@@ -848,10 +847,11 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                 n_whole = lo + seq_lens[n] - hi;
             }
             const float *rows = ring ? (const float *)ring[0] + ((const int32_t *)ring[3])[n] * ring[1] : NULL;
+            const float *qg = q + n * q_width + q_at_of(d_k, g, group);
             float whole[n_whole + 1]; /* scores of one query over them (at most sinks + window) */
             for (int32_t j = 0; j < group; j++) {
                 float m = -INFINITY, sum = 0.0f, *oj = og + j * d_v[g];
-                const float *qj = q + n * q_width + q_at_of(d_k, g, group) + j * d_k[g];
+                const float *qj = qg + j * d_k[g];
                 for (int64_t part = 0; part < parts; part++) {
                     float t = partial[(head * parts + part) * stride + group * widest + j];
                     m = t > m ? t : m;

@@ -156,10 +156,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
             return self._windowed(query, key, value, kv_cache, meta, output, codec)
         if writes and meta.max_query_len == 1 and self.sliding_window is None and not isinstance(codec, BandPages):
             # decodes: one C call if it runs (C reads rows, not pages)
-            if self._decode_layer is None:
-                self._decode_layer = decode_layer_c(self.dims, kv_cache, self.fp8) or False
-            if self._decode_layer and self._decode_layer(query[:n], key[:n], value[:n], meta.slot_mapping, kv_cache,
-                                                         meta.block_table, meta.seq_lens, output[:n], self.scale):
+            if self._decode_in_c(query[:n], key[:n], value[:n], kv_cache, meta, output[:n]):
                 return output
         if writes:
             write_paged(kv_cache, meta.slot_mapping, key[:n], value[:n], codec=codec)
@@ -171,6 +168,16 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
               prefill=prefill_attention, split=meta.split)
         return output
 
+    def _decode_in_c(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: KVFoldMetadata, output: torch.Tensor, ring=None) -> bool:
+        """A step of decodes as one C call (kernels.paged.decode_layer_c's, made at the first one): True once its
+        rows are written and attended, False where C does not run it (nothing done)."""
+        if self._decode_layer is None:
+            self._decode_layer = decode_layer_c(self.dims, kv_cache, self.fp8) or False
+        return bool(self._decode_layer) and self._decode_layer(query, key, value, meta.slot_mapping, kv_cache,
+                                                              meta.block_table, meta.seq_lens, output, self.scale,
+                                                              ring=ring)
+
     def _windowed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   meta: KVFoldMetadata, output: torch.Tensor, codec) -> torch.Tensor:
         """A windowed bits layer: the step's codes written, attention with the sinks and window read whole from the
@@ -181,13 +188,10 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         blocks = context.attn_metadata[name].blocks
         n = meta.num_actual_tokens
         k, v = key[:n].reshape(n, -1), value[:n].reshape(n, -1)
-        if meta.max_query_len == 1:  # decodes: one C call if it runs (codes and ring rows written, then attention)
-            if self._decode_layer is None:
-                self._decode_layer = decode_layer_c(self.dims, kv_cache, None) or False
-            if self._decode_layer and self._decode_layer(query[:n], k, v, meta.slot_mapping, kv_cache, meta.block_table,
-                                                         meta.seq_lens, output[:n], self.scale,
+        # decodes: one C call if it runs (codes and ring rows written, then attention)
+        if meta.max_query_len == 1 and self._decode_in_c(query[:n], k, v, kv_cache, meta, output[:n],
                                                          ring=(ring, blocks, sinks, window)):
-                return output
+            return output
         write_paged(kv_cache, meta.slot_mapping, k, v, codec=codec)
         windowed_paged_attention(query[:n].reshape(n, -1), k, v, kv_cache, ring, blocks, meta.block_table,
                                  meta.seq_lens, meta.query_start_loc, codec, scaling=self.scale, sinks=sinks,
