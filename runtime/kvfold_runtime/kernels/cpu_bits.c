@@ -939,3 +939,106 @@ int kvfold_decode_layer(const int64_t *layer, const float *k, int64_t k_stride, 
                                    (const int32_t *)layer[13], (const int32_t *)layer[14], (const int32_t *)layer[15],
                                    log8, scaling, ring);
 }
+
+/* One query's attention over n whole rows (row r at rows_at(r)): out normalised, the log-sum-exp returned. NV > 0:
+ * key and value widths both NV vectors (compile-time, so the query and the sums stay in registers); 0: any widths.
+ * `score` holds n rounded up to whole vectors plus one. */
+typedef struct {
+    const float *k, *v;
+    int64_t k_stride, v_stride, sink_end, window_row; /* row r ≥ sink_end is k[window_row + r − sink_end] */
+} window_rows;
+
+static inline __attribute__((always_inline)) const float *window_row(const window_rows *w, const float *base,
+                                                                     int64_t stride, int64_t r) {
+    return base + (r < w->sink_end ? r : w->window_row + r - w->sink_end) * stride;
+}
+
+static inline __attribute__((always_inline)) float window_query(const float *qj, const window_rows *w, int64_t n,
+                                                                int32_t dk, int32_t dv, float scaling, float *score,
+                                                                float *oj, const int NV) {
+    float m = -INFINITY, sum = 0.0f;
+    vf qv[NV > 0 ? NV : 1];
+    for (int c = 0; c < NV; c++) qv[c] = loadv(qj + c * VW);
+    for (int64_t r = 0; r < n; r++) {
+        const float *kr = window_row(w, w->k, w->k_stride, r);
+        float d;
+        if (NV > 0) {
+            vf dot = qv[0] * loadv(kr);
+            for (int c = 1; c < NV; c++) dot = dot + qv[c] * loadv(kr + c * VW);
+            d = sumv(dot);
+        } else {
+            int32_t c = 0;
+            vf dot = {0};
+            for (; c + VW <= dk; c += VW) dot = dot + loadv(qj + c) * loadv(kr + c);
+            d = sumv(dot);
+            for (; c < dk; c++) d += qj[c] * kr[c];
+        }
+        score[r] = d * scaling;
+        m = score[r] > m ? score[r] : m;
+    }
+    for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) score[r] = m;
+    for (int64_t r = 0; r < n; r += VW) storev(score + r, expv(loadv(score + r) - m)); /* e^(score − max) */
+    if (NV > 0) {
+        vf acc[NV > 0 ? NV : 1];
+        for (int c = 0; c < NV; c++) acc[c] = (vf){0};
+        for (int64_t r = 0; r < n; r++) {
+            const float *vr = window_row(w, w->v, w->v_stride, r);
+            sum += score[r];
+            for (int c = 0; c < NV; c++) acc[c] = acc[c] + score[r] * loadv(vr + c * VW);
+        }
+        for (int c = 0; c < NV; c++) storev(oj + c * VW, acc[c] / sum);
+    } else {
+        for (int32_t c = 0; c < dv; c++) oj[c] = 0.0f;
+        for (int64_t r = 0; r < n; r++) {
+            const float *vr = window_row(w, w->v, w->v_stride, r);
+            sum += score[r];
+            int32_t c = 0;
+            for (; c + VW <= dv; c += VW) storev(oj + c, loadv(oj + c) + score[r] * loadv(vr + c));
+            for (; c < dv; c++) oj[c] += score[r] * vr[c];
+        }
+        for (int32_t c = 0; c < dv; c++) oj[c] /= sum;
+    }
+    return m + logf(sum);
+}
+
+/* The whole part of a windowed layer's prefill (kernels/window_prefill.py, its torch twin `_whole`): each of the t
+ * queries q [t, q_width] (packed widths) at positions [s − t, s) over its whole rows only — the sinks below it and
+ * the window rows past the sinks, i − window < j ≤ i — normalised into out [t, n_kv, group, widest] and the
+ * log-sum-exp of its scaled scores into lse [t, n_kv, group]. Rows k [n, k_stride] and v [n, v_stride] (float32,
+ * packed widths, unit stride) are whole_positions' order: the sink rows, then position lo + r at row n_sinks + r.
+ * One (query, KV head) a task, its group's queries one after another over the same rows (in L1 by then). */
+void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float *k, int64_t k_stride, const float *v,
+                        int64_t v_stride, const int32_t *d_k, const int32_t *d_v, int32_t n_kv, int32_t group,
+                        int64_t s, int64_t sinks, int64_t window, float scaling, float *out, int64_t widest,
+                        float *lse) {
+    const int64_t n_sinks = sinks < s ? sinks : s;
+    int64_t lo = s - t - window + 1;
+    lo = lo > sinks ? lo : sinks;
+    lo = lo < s ? lo : s;
+#pragma omp parallel for schedule(static) if (t * n_kv >= 64)
+    for (int64_t task = 0; task < t * n_kv; task++) {
+        const int64_t row = task / n_kv, i = s - t + row;
+        const int32_t g = (int32_t)(task % n_kv), dk = d_k[g], dv = d_v[g];
+        int64_t k_at = 0, v_at = 0;
+        for (int32_t h = 0; h < g; h++) k_at += d_k[h], v_at += d_v[h];
+        /* the rows read: sink rows [0, min(n_sinks, i + 1)), then window positions from max(sinks, i − window + 1) */
+        int64_t first = i - window + 1;
+        first = first > sinks ? first : sinks;
+        window_rows w = {k + k_at, v + v_at, k_stride, v_stride, i + 1 < n_sinks ? i + 1 : n_sinks, n_sinks + first - lo};
+        const int64_t n = w.sink_end + (i + 1 > first ? i + 1 - first : 0);
+        float score[(n + VW - 1) / VW * VW + VW];
+        const float *qg = q + row * q_width + q_at_of(d_k, g, group);
+        float *og = out + (row * n_kv + g) * group * widest, *lg = lse + (row * n_kv + g) * group;
+        const int nv = dk == dv && dk % VW == 0 ? dk / VW : 0;
+        for (int32_t j = 0; j < group; j++) {
+            const float *qj = qg + j * dk;
+            float *oj = og + j * widest;
+            switch (nv) { /* common widths: the query and the sums in registers */
+            case 2: lg[j] = window_query(qj, &w, n, dk, dv, scaling, score, oj, 2); break;
+            case 4: lg[j] = window_query(qj, &w, n, dk, dv, scaling, score, oj, 4); break;
+            case 8: lg[j] = window_query(qj, &w, n, dk, dv, scaling, score, oj, 8); break;
+            default: lg[j] = window_query(qj, &w, n, dk, dv, scaling, score, oj, 0);
+            }
+        }
+    }
+}

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from kvfold_runtime.kernels.paged import BandPages, BandRows, PrefillAttention, StepPlan, _gather, plan_step
+from kvfold_runtime.kernels.paged import BandPages, BandRows, StepPlan, _gather, plan_step
 from kvfold_runtime.kernels.torch_decode import packed_decode
-from kvfold_runtime.kernels.window_prefill import windowed_prefill
+from kvfold_runtime.kernels.window_prefill import LogitAttention, whole_positions, windowed_prefill
 
 __all__ = ["ring_slots", "windowed_paged_attention", "write_ring"]
 
@@ -70,11 +70,11 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              ring: torch.Tensor, ring_blocks: torch.Tensor, block_table: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, codec: BandRows, *,
                              scaling: float, sinks: int, window: int, out: torch.Tensor,
-                             prefill: PrefillAttention | None = None) -> torch.Tensor:
+                             prefill: LogitAttention | None = None) -> torch.Tensor:
     """query [T, Σ_h d_k(g(h))] -> out [T, Σ_h d_v(g(h))]: each request's queries over its cached tokens, the
     step's codes already written to `kv` (kernels.paged's layout, rows written by `codec`), its keys `key`
     [T, Σd_k] and values `value` [T, Σd_v] not yet in the ring (written by write_ring after this call).
-    `prefill`: a faster causal attention over decoded rows (paged_attention's), SDPA where it gives None."""
+    `prefill`: a faster causal attention with an extra key (window_prefill.LogitAttention), SDPA where None."""
     if isinstance(codec, BandPages):  # the GPU page layout: read as rows (a copy of the cache)
         kv, codec = codec.as_rows(kv), BandRows(codec.dims)
     dims = codec.dims
@@ -93,20 +93,15 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
             continue
         old = s - t  # tokens cached before this step
         k, v = codec.decode(_gather(blocks, block_table[r], 0, s), query.dtype)  # [s, Σd_k], [s, Σd_v]
-        # whole rows: the sinks, and every position some query of the step reads inside its window
-        lo = min(s, max(sinks, old - window + 1)) if window else s  # a prompt shorter than the sinks: none
-        positions = torch.cat([torch.arange(min(sinks, s)), torch.arange(lo, s)]).to(kv.device)
+        positions = whole_positions(s, t, sinks, window).to(kv.device)  # the whole rows the step reads
         from_ring = positions < old
         exact = torch.empty(positions.shape[0], split + sum(d_v), dtype=ring.dtype, device=ring.device)
         held = ring[int(ring_blocks[r])]  # [capacity, ≥ Σd_k + Σd_v]
         exact[from_ring] = held[ring_slots(positions[from_ring], sinks, window), :exact.shape[-1]]
         mine = torch.cat([key[first:first + t], value[first:first + t]], -1).to(ring.dtype)
         exact[~from_ring] = mine[positions[~from_ring] - old]
-        exact = exact.to(query.dtype)
-        k_whole, v_whole = torch.zeros_like(k), torch.zeros_like(v)
-        k_whole[positions], v_whole[positions] = exact[:, :split], exact[:, split:]
-        o = windowed_prefill(query[first:first + t], k, v, k_whole, v_whole, d_k, d_v, dims.group, scaling=scaling,
-                             sinks=sinks, window=window, causal=prefill)
+        o = windowed_prefill(query[first:first + t], k, v, exact[:, :split], exact[:, split:], d_k, d_v, dims.group,
+                             scaling=scaling, sinks=sinks, window=window, causal=prefill)
         out[first:first + t] = o.to(out.dtype)
     return out
 

@@ -1,0 +1,45 @@
+"""A windowed layer's prefill pieces (kernels/window_prefill.py): its whole part in C (cpu_window) gives what the
+torch twin gives — uneven widths, a chunk after cached tokens, no window, more sinks than tokens — and the whole
+prefill equals attention by the definition (each query's sinks and window whole, the rest from codes)."""
+
+import pytest
+import torch
+
+from kvfold_runtime.kernels.cpu_bits import library
+from kvfold_runtime.kernels.cpu_window import window_part_c
+from kvfold_runtime.kernels.reference import reference_attention
+from kvfold_runtime.kernels.window_prefill import _whole, whole_positions, windowed_prefill
+
+CASES = [  # s, t, d_k, d_v, group, sinks, window
+    (300, 300, [64, 64], [64, 64], 3, 16, 64), (300, 37, [6, 3, 17], [5, 8, 33], 2, 3, 5),
+    (50, 50, [6, 3], [5, 8], 2, 7, 0), (20, 20, [8], [8], 1, 0, 4), (10, 4, [32], [32], 4, 16, 64)]
+
+
+@pytest.mark.parametrize(("s", "t", "d_k", "d_v", "group", "sinks", "window"), CASES)
+def test_the_whole_part_in_c_is_the_torch_one(s, t, d_k, d_v, group, sinks, window):
+    assert library() is not None, "the C library does not build here (the dev environment has a compiler)"
+    g = torch.Generator().manual_seed(s + t)
+    rows = whole_positions(s, t, sinks, window).shape[0]
+    q = torch.randn(t, group * sum(d_k), generator=g)
+    k, v = torch.randn(rows, sum(d_k), generator=g), torch.randn(rows, sum(d_v), generator=g)
+    args = (q, k, v, d_k, d_v, group, 0.2, sinks, window, s)
+    got, want = window_part_c(*args), _whole(*args)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("s", "t", "d_k", "d_v", "group", "sinks", "window"), CASES)
+def test_a_windowed_prefill_reads_each_querys_sinks_and_window_whole(s, t, d_k, d_v, group, sinks, window):
+    g = torch.Generator().manual_seed(s * t)
+    q = torch.randn(t, group * sum(d_k), generator=g)
+    k, v = torch.randn(s, sum(d_k), generator=g), torch.randn(s, sum(d_v), generator=g)
+    k_coded, v_coded = k + 0.3 * torch.randn(k.shape, generator=g), v + 0.3 * torch.randn(v.shape, generator=g)
+    held = whole_positions(s, t, sinks, window)
+    got = windowed_prefill(q, k_coded, v_coded, k[held], v[held], d_k, d_v, group, scaling=0.2, sinks=sinks,
+                           window=window)
+    for row in range(t):
+        i = s - t + row
+        whole = torch.tensor([j < sinks or i - j < window for j in range(i + 1)])[:, None]
+        keys, values = torch.where(whole, k[:i + 1], k_coded[:i + 1]), torch.where(whole, v[:i + 1], v_coded[:i + 1])
+        want = reference_attention(q[row][None, None], keys[None], values[None], d_k, d_v, group, scaling=0.2)[0, 0]
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
