@@ -332,6 +332,9 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     return out
 
 
+_RingArgs = ctypes.c_int64 * 6  # kvfold_decode_layer's `ring`
+
+
 class DecodeLayer:
     """One layer's decode step as one C call (kvfold_decode_layer): the step's keys and values written into their
     slots (write_layer_slots_c's codes, or write_number_slots_c's float32 numbers), then decode_attention_c over
@@ -383,12 +386,12 @@ class DecodeLayer:
             if not (rows.dtype is torch.float32 and rows.stride(-1) == 1 and rows.device.type == "cpu"
                     and rows.shape[-1] >= self._width and ring_blocks.shape[0] == n):
                 return False
-            ring_blocks = ring_blocks.to(torch.int32).contiguous()
-            windowed = torch.tensor([rows.data_ptr(), rows.stride(0), rows.stride(1), ring_blocks.data_ptr(), sinks,
-                                     window], dtype=torch.int64)
+            ring_blocks = ring_blocks.to(torch.int32).contiguous()  # as it comes (vllm/ring.py): no copy
+            windowed = _RingArgs(rows.data_ptr(), rows.stride(0), rows.stride(1), ring_blocks.data_ptr(), sinks,
+                                 window)  # a ctypes array: a few µs less than a tensor, each layer and step
         if self._call(self._args.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
                       block.data_ptr(), block.stride(0) * block.element_size(), table.data_ptr(), table.stride(0),
                       seq_lens.data_ptr(), table.shape[1], q.data_ptr(), out.data_ptr(), n, scaling,
-                      None if windowed is None else windowed.data_ptr()):
+                      None if windowed is None else ctypes.addressof(windowed)):
             raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
         return True

@@ -128,6 +128,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         self._decode_layer = None  # kernels.paged.decode_layer_c's, made at the first decode step (False: none)
         # a windowed bits export: (ring module name, this layer's slot in it, sinks, window) — vllm/ring.py
         self.ring = kvfold_ring
+        self._rings = None  # (the ring module's cache, this layer's view of it): _ring_rows
         if kvfold_ring is not None and sliding_window is not None:
             raise refuse("a windowed bits export of a sliding-window model is not served: re-export without --window")
 
@@ -184,7 +185,7 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         request's ring (kernels.paged_window), then the step's whole rows written to the ring."""
         name, slot, sinks, window = self.ring
         context = get_forward_context()
-        ring = context.no_compile_layers[name].rows(slot, sum(self.d_k) + sum(self.d_v))
+        ring = self._ring_rows(context.no_compile_layers[name], slot)
         blocks = context.attn_metadata[name].blocks
         n = meta.num_actual_tokens
         k, v = key[:n].reshape(n, -1), value[:n].reshape(n, -1)
@@ -198,6 +199,14 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
                                  window=window, out=output[:n].view(n, -1), prefill=prefill_attention)
         write_ring(ring, blocks, meta.seq_lens, meta.query_start_loc, k, v, sinks=sinks, window=window)
         return output
+
+
+    def _ring_rows(self, module, slot: int) -> torch.Tensor:
+        """This layer's rings, a view of the ring module's cache made once (vLLM binds the cache once; a step's
+        decode of a layer costs ~0.1 ms of Python beside its C call, and a view is a few µs of it)."""
+        if self._rings is None or self._rings[0] is not module.kv_cache:
+            self._rings = (module.kv_cache, module.rows(slot, sum(self.d_k) + sum(self.d_v)))
+        return self._rings[1]
 
 
 class KVFoldAttentionBackend(AttentionBackend):

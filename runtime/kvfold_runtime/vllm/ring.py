@@ -92,7 +92,8 @@ class _RingMetadataBuilder(AttentionMetadataBuilder[RingMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RingMetadata:
         m = common_attn_metadata
-        return RingMetadata(m.block_table_tensor[:m.num_reqs, 0])
+        # one contiguous int32 copy a step, as the C decode reads it (not one per layer)
+        return RingMetadata(m.block_table_tensor[:m.num_reqs, 0].to(torch.int32).contiguous())
 
 
 class KVFoldRingBackend(AttentionBackend):
