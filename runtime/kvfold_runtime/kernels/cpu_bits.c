@@ -1009,17 +1009,14 @@ static inline __attribute__((always_inline)) float window_query(const float *qj,
 /* The whole part of a windowed layer's prefill (kernels/window_prefill.py, its torch twin `_whole`): each of the t
  * queries q [t, q_width] (packed widths) at positions [s − t, s) over its whole rows only — the sinks below it and
  * the window rows past the sinks, i − window < j ≤ i — normalised into out [t, n_kv, group, widest] and the
- * log-sum-exp of its scaled scores into lse [t, n_kv, group]. Rows k [n, k_stride] and v [n, v_stride] (float32,
- * packed widths, unit stride) are whole_positions' order: the sink rows, then position lo + r at row n_sinks + r.
+ * log-sum-exp of its scaled scores into lse [t, n_kv, group]. Rows k [n_held, k_stride] and v [n_held, v_stride]
+ * (float32, packed widths, unit stride) are whole_positions' order: the sink rows, then positions [lo, s).
  * One (query, KV head) a task, its group's queries one after another over the same rows (in L1 by then). */
-void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float *k, int64_t k_stride, const float *v,
-                        int64_t v_stride, const int32_t *d_k, const int32_t *d_v, int32_t n_kv, int32_t group,
+void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float *k, int64_t n_held, int64_t k_stride,
+                        const float *v, int64_t v_stride, const int32_t *d_k, const int32_t *d_v, int32_t n_kv, int32_t group,
                         int64_t s, int64_t sinks, int64_t window, float scaling, float *out, int64_t widest,
                         float *lse) {
-    const int64_t n_sinks = sinks < s ? sinks : s;
-    int64_t lo = s - t - window + 1;
-    lo = lo > sinks ? lo : sinks;
-    lo = lo < s ? lo : s;
+    const int64_t n_sinks = sinks < s ? sinks : s, lo = s - (n_held - n_sinks); /* the held window rows: [lo, s) */
 #pragma omp parallel for schedule(static) if (t * n_kv >= 64)
     for (int64_t task = 0; task < t * n_kv; task++) {
         const int64_t row = task / n_kv, i = s - t + row;

@@ -25,7 +25,7 @@ def _function():
     fn = lib.kvfold_window_part
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     fn.restype = None
-    fn.argtypes = [p, i64, i64, p, i64, p, i64, p, p, i32, i32, i64, i64, i64, ctypes.c_float, p, i64, p]
+    fn.argtypes = [p, i64, i64, p, i64, i64, p, i64, p, p, i32, i32, i64, i64, i64, ctypes.c_float, p, i64, p]
     return fn
 
 
@@ -42,6 +42,7 @@ def window_part_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[i
     out = q.new_zeros(t, heads, group, max(d_v))  # a narrower head's columns past its width: 0, as _whole's
     lse = q.new_empty(t, heads, group)
     widths_k, widths_v = torch.tensor(d_k, dtype=torch.int32), torch.tensor(d_v, dtype=torch.int32)
-    fn(q.data_ptr(), t, q.shape[1], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), widths_k.data_ptr(),
-       widths_v.data_ptr(), heads, group, s, sinks, window, scaling, out.data_ptr(), max(d_v), lse.data_ptr())
+    fn(q.data_ptr(), t, q.shape[1], k.data_ptr(), k.shape[0], k.stride(0), v.data_ptr(), v.stride(0),
+       widths_k.data_ptr(), widths_v.data_ptr(), heads, group, s, sinks, window, scaling, out.data_ptr(), max(d_v),
+       lse.data_ptr())
     return out, lse

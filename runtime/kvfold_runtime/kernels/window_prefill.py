@@ -122,7 +122,7 @@ def _whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[int], d_
     band &= (j >= sinks)[:, None, :]  # rows below the sinks' end are read as sinks
     sink = torch.arange(n_sinks, device=dev) <= position[..., None]  # [blocks, rows, sinks]
     seen = torch.cat([sink, band], -1)[:, :, None, :]  # [blocks, rows, 1, sinks + span]
-    lo = min(s, max(sinks, s - t - window + 1))  # the first window row held (whole_positions): every j read is ≥ lo
+    lo = s - (k.shape[0] - n_sinks)  # the held window rows are [lo, s) (whole_positions): every j read is ≥ lo
     rows_at = (n_sinks + j - lo).clamp(0, k.shape[0] - 1)
     at = torch.cat([torch.arange(n_sinks, device=dev).expand(blocks, -1), rows_at], -1)  # [blocks, keys]: k's rows
     out = q.new_zeros(blocks * rows, len(d_k), group, max(d_v))

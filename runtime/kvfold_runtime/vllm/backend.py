@@ -200,7 +200,6 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         write_ring(ring, blocks, meta.seq_lens, meta.query_start_loc, k, v, sinks=sinks, window=window)
         return output
 
-
     def _ring_rows(self, module, slot: int) -> torch.Tensor:
         """This layer's rings, a view of the ring module's cache made once (vLLM binds the cache once; a step's
         decode of a layer costs ~0.1 ms of Python beside its C call, and a view is a few µs of it)."""
