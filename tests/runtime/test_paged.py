@@ -282,20 +282,22 @@ def test_a_decode_step_reads_vllms_block_table_in_c_without_a_plan(fmt, reader, 
     assert torch.equal(got, planned)
 
 
-@pytest.mark.parametrize("fmt", ["bits", "rank float32"])
+@pytest.mark.parametrize("fmt", ["bits", "rank"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reader", ["c", "c-scalar"])
-def test_a_decode_layer_in_one_c_call_writes_and_attends_as_the_separate_calls(fmt, reader, monkeypatch):
+def test_a_decode_layer_in_one_c_call_writes_and_attends_as_the_separate_calls(fmt, dtype, reader, monkeypatch):
     """The vLLM backend's decode step of a layer in one C call (decode_layer_c) leaves the cache byte for byte as
-    write_paged does and gives decode_step_c's output bit for bit: requests of one to many blocks, keys and values
-    with a row stride wider than their numbers (vLLM's fused q|k|v columns). Tensors not as it takes them are
-    left to the general path (False, nothing written); caches it does not read get no decode layer."""
+    write_paged does and gives decode_step_c's output bit for bit, in each model dtype (a rank layer's cache in
+    it too): requests of one to many blocks, keys and values with a row stride wider than their numbers (vLLM's
+    fused q|k|v columns). Tensors not as it takes them are left to the general path (False, nothing written);
+    caches it does not read (fp8 codes) get no decode layer."""
     monkeypatch.setenv("KVFOLD_CPU_DECODER", reader)
     _require_c_decoder()
     d_k, d_v, group, bs = [5, 12, 7], [3, 8, 17], 3, 16
     seq_lens = [1, 16, 17, 45, 130]
     dims = _banded(d_k, d_v, group) if fmt == "bits" else LayerDims(tuple(d_k), tuple(d_v), group)
     codec, g = row_codec(dims), torch.Generator().manual_seed(4)
-    kv, table, lens, _, q, _, _ = _case(d_k, d_v, group, seq_lens, [1] * 5, block_size=bs, dtype=torch.float32)
+    kv, table, lens, _, q, _, _ = _case(d_k, d_v, group, seq_lens, [1] * 5, block_size=bs, dtype=dtype)
     if fmt == "bits":  # the same tokens' rows as band codes
         kv = torch.zeros(*kv.shape[:-1], sum(dims.row_bytes()), dtype=torch.uint8)
         for r, s in enumerate(seq_lens):
@@ -305,19 +307,20 @@ def test_a_decode_layer_in_one_c_call_writes_and_attends_as_the_separate_calls(f
     lens = lens.to(torch.int32)
     last = lens.long() - 1
     slots = table[torch.arange(len(seq_lens)), last // bs].long() * bs + last % bs
-    fused = torch.randn(len(seq_lens), sum(d_k) + sum(d_v) + 3, generator=g)
+    fused = torch.randn(len(seq_lens), sum(d_k) + sum(d_v) + 3, generator=g).to(dtype)
     k, v = fused[:, :sum(d_k)], fused[:, sum(d_k):-3]
-    kv_two, out_two = kv.clone(), torch.empty(len(seq_lens), group * sum(d_v))
+    kv_two, out_two = kv.clone(), torch.empty(len(seq_lens), group * sum(d_v), dtype=dtype)
     write_paged(kv_two, slots, k, v, codec=codec)
     paged_module.decode_step_c(q, kv_two, table, lens, codec, scaling=0.3, out=out_two)
     step = paged_module.decode_layer_c(dims, kv, None)
     out, before = torch.full_like(out_two, float("nan")), kv.clone()
-    assert not step(q.double(), k, v, slots, kv, table, lens, out, 0.3) and out.isnan().all()  # not float32
+    assert not step(q.double(), k, v, slots, kv, table, lens, out, 0.3) and out.isnan().all()  # not a step dtype
     assert torch.equal(kv.view(torch.uint8), before.view(torch.uint8))  # nothing written either
     assert step(q, k, v, slots, kv, table, lens, out, 0.3)
     assert torch.equal(kv.view(torch.uint8), kv_two.view(torch.uint8)) and torch.equal(out, out_two)  # NaN rows: bytes
-    if fmt != "bits":  # numbers in another dtype, or fp8 codes: the general path
-        assert paged_module.decode_layer_c(dims, kv.half(), None) is None
+    if fmt != "bits":  # a step in another dtype than the cache's: the general path; fp8 codes: no decode layer
+        other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+        assert not step(q.to(other), k.to(other), v.to(other), slots, kv, table, lens, out.to(other), 0.3)
         assert paged_module.decode_layer_c(dims, torch.zeros(kv.shape, dtype=torch.uint8), torch.float8_e4m3fn) is None
 
 

@@ -8,7 +8,8 @@ import torch
 
 from kvfold_runtime.bands import decode_heads, encode_heads
 from kvfold_runtime.kernels import row_codec, write_paged
-from kvfold_runtime.kernels.cpu_bits import DecodeLayer, library
+from kvfold_runtime.kernels.cpu_bits import library
+from kvfold_runtime.kernels.cpu_step import DecodeLayer
 from kvfold_runtime.kernels.paged_window import ring_slots, windowed_paged_attention, write_ring
 from kvfold_runtime.kernels.reference import reference_attention
 from tests.runtime.test_paged import _banded
@@ -28,7 +29,7 @@ def _oracle(q, k, v, coded_k, coded_v, i, sinks, window, d_k, d_v):
 @pytest.mark.parametrize("path", ["torch", "c", "vllm"])
 @pytest.mark.parametrize(("sinks", "window"), [(2, 4), (0, 3), (3, 0), (1, 64), (5, 4)])
 def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, window, path, d_k, d_v):
-    """path "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_bits.DecodeLayer:
+    """path "c": a step of decodes only runs as vLLM's backend runs it on a CPU, one C call (cpu_step.DecodeLayer:
     codes and ring rows written, then attention over both); other steps as the torch path runs them. "vllm": also
     the prefills' history through vLLM's CPU kernel with the whole part's extra key (cpu_prefill), as the backend
     runs them. Heads wider than a vector ("vector-wide") take the C loops' vector steps too."""
@@ -104,3 +105,39 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
 def test_ring_slots_keep_the_sinks_and_cycle_the_rest():
     assert ring_slots(torch.arange(9), 2, 3).tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 2]
     assert ring_slots(torch.arange(4), 2, 0).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_c_decode_step_in_16_bit_numbers_is_the_float32_step_rounded_once(dtype):
+    """vLLM's backend serves in the model's dtype (bfloat16 by default): the C decode step of a windowed layer takes
+    its numbers and rings in it, widened to float32 as it reads them. The same codes as the float32 step on the
+    same numbers, the ring rows those numbers as they are, and the output the float32 step's rounded once."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    d_k, d_v, sinks, window = [40, 16], [33, 48], 2, 8
+    dims = _banded(d_k, d_v, GROUP)
+    codec, g = row_codec(dims), torch.Generator().manual_seed(3)
+    cached = [1, 5, 30]  # tokens before the step: within the sinks, within the window, past both
+    per = [(s + 1 + BS - 1) // BS for s in cached]
+    kv = torch.zeros(sum(per) + 1, BS, sum(dims.row_bytes()), dtype=torch.uint8)
+    table = torch.zeros(3, max(per), dtype=torch.int32)
+    ring = torch.full((3, sinks + window, sum(d_k) + sum(d_v)), float("nan"))
+    for r, s in enumerate(cached):
+        table[r, :per[r]] = torch.arange(per[r]) + 1 + sum(per[:r])
+        k, v = (torch.randn(s, sum(w), generator=g).to(dtype).float() for w in (d_k, d_v))
+        pos = torch.arange(s)
+        write_paged(kv, table[r, pos // BS].long() * BS + pos % BS, k, v, codec=codec)
+        write_ring(ring, torch.tensor([r]), torch.tensor([s]), torch.tensor([0, s]), k, v, sinks=sinks, window=window)
+    q, k, v = (torch.randn(3, w, generator=g).to(dtype) for w in (GROUP * sum(d_k), sum(d_k), sum(d_v)))
+    last = torch.tensor(cached)
+    slots = table[torch.arange(3), last // BS].long() * BS + last % BS
+    seq_lens, blocks, step = (last + 1).int(), torch.arange(3, dtype=torch.int32), DecodeLayer(dims, torch.uint8, BS)
+    kv32, ring32, out32 = kv.clone(), ring.clone(), torch.empty(3, GROUP * sum(d_v))
+    assert step(q.float(), k.float(), v.float(), slots, kv32, table, seq_lens, out32, 0.3,
+                ring=(ring32, blocks, sinks, window))
+    kv16, ring16, out16 = kv.clone(), ring.to(dtype), torch.empty(3, GROUP * sum(d_v), dtype=dtype)
+    assert not step(q, k, v, slots, kv16, table, seq_lens, out16, 0.3, ring=(ring, blocks, sinks, window))
+    assert step(q, k, v, slots, kv16, table, seq_lens, out16, 0.3, ring=(ring16, blocks, sinks, window))
+    assert torch.equal(kv16, kv32) and not ring32.isnan().all(-1)[0, :2].any()  # the request's sinks held
+    assert torch.equal(ring16.view(torch.int16), ring32.to(dtype).view(torch.int16))  # NaN where unwritten, too
+    assert torch.equal(out16, out32.to(dtype))

@@ -175,6 +175,40 @@ static inline uint16_t float_to_half(float f) {
     return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
 }
 
+/* float32 -> bfloat16 bits, rounded to the nearest even as torch's .to(bfloat16) (c10's round_to_nearest_even;
+ * a NaN becomes its quiet NaN 0x7fc0). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t w;
+    memcpy(&w, &f, 4);
+    if ((w & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+/* A decode step's numbers (q, k, v, out, a ring's rows) in the model's dtype: 0 float32, 1 bfloat16, 2 float16
+ * (cpu_bits.STEP_FORMATS). The 16-bit ones are widened to float32 once per step, and out narrowed at the end. */
+static inline size_t number_size(int32_t fmt) { return fmt ? 2 : 4; }
+
+static void to_floats(const void *src, int32_t fmt, int64_t n, float *dst) {
+    const uint16_t *h = src;
+    if (fmt == 0) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (fmt == 1) { /* bfloat16: the top half of a float32 (a loop the vectoriser takes) */
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t w = (uint32_t)h[i] << 16;
+            memcpy(dst + i, &w, 4);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) dst[i] = half_to_float(h[i]);
+    }
+}
+
+static void from_floats(const float *src, int32_t fmt, int64_t n, void *dst) {
+    uint16_t *h = dst;
+    if (fmt == 0) memcpy(dst, src, sizeof(float) * (size_t)n);
+    else if (fmt == 1) for (int64_t i = 0; i < n; i++) h[i] = float_to_bf16(src[i]);
+    else for (int64_t i = 0; i < n; i++) h[i] = float_to_half(src[i]);
+}
+
 /* A band's squared error with its codes against scale s (bands._fit_log8), summed in float64. The errors first
  * (a loop without a carried dependency, for the vectoriser), then four running sums: one chain of dependent
  * float64 adds was most of the fit's time. (torch sums in its own order: the last bits of two nearly equal
@@ -753,10 +787,10 @@ static inline int32_t q_at_of(const int32_t *d_k, int32_t g, int32_t group) {
  * block table, table [N, ≥ n_blocks] (row stride table_stride) int32, and sees its first seq_lens[n] rows (at most
  * n_blocks blocks). block_bytes: from one block to the next (0: block_size · row_bytes, the blocks contiguous).
  * `ring` (table path only; NULL: none): a windowed bits layer (kernels/paged_window.py), int64s
- *   0 rows*  1 floats from one ring to the next  2 floats from one ring row to the next  3 ring_ids* (int32 [N])
- *   4 sinks  5 window
+ *   0 rows*  1 numbers from one ring to the next  2 numbers from one ring row to the next  3 ring_ids* (int32 [N])
+ *   4 sinks  5 window  6 the rows' numbers (number_size's formats: the model's dtype)
  * (*: addresses): request n reads positions [lo, hi) from codes, lo = min(sinks, seq), hi = max(lo, seq − window),
- * and the others from its ring of float32 rows [k | v] (packed widths), the query's own row already written there
+ * and the others from its ring of rows [k | v] (packed widths), the query's own row already written there
  * (kvfold_decode_layer); merged with the codes' parts where those are summed. Returns 0, or -1 when out of memory. */
 int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, const int32_t *table, int64_t table_stride,
                             const int32_t *seq_lens, int64_t n_blocks, int64_t block_size, int64_t block_bytes,
@@ -833,7 +867,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
     /* the parts of each (request, KV head) summed: out = Σ acc·e^(top - m) / Σ total·e^(top - m); a few heads'
      * sums (batch 1: SmolLM2's 3) cost less than waking the threads for a second parallel region */
     if (!failed) {
-#pragma omp parallel for schedule(static) if (heads * parts >= 64)
+#pragma omp parallel for schedule(static) reduction(| : failed) if (heads * parts >= 64)
         for (int64_t head = 0; head < heads; head++) {
             int64_t n = head / n_kv;
             int32_t g = (int32_t)(head % n_kv), o_at = 0;
@@ -846,7 +880,28 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                 code_rows(seq_lens[n], sinks, window, 1, &lo, &hi);
                 n_whole = lo + seq_lens[n] - hi;
             }
-            const float *rows = ring ? (const float *)ring[0] + ((const int32_t *)ring[3])[n] * ring[1] : NULL;
+            /* whole row i's keys at kr[i], values at vr[i]: float32 rows read in place, 16-bit ones widened once
+             * here into `wide` (each is read once per query of the group) */
+            const float **kr = n_whole ? malloc(sizeof(float *) * (size_t)(2 * n_whole)) : NULL;
+            const float **vr = kr ? kr + n_whole : NULL;
+            float *wide = n_whole && ring[6] ? malloc(sizeof(float) * (size_t)(n_whole * (d_k[g] + d_v[g]))) : NULL;
+            if (n_whole && (!kr || (ring[6] && !wide))) {
+                free(kr), free(wide), failed = 1;
+                continue;
+            }
+            for (int64_t i = 0; i < n_whole; i++) {
+                const uint8_t *row = (const uint8_t *)ring[0] + number_size((int32_t)ring[6]) *
+                    (((const int32_t *)ring[3])[n] * ring[1] + ring_slot(i < lo ? i : hi + i - lo, sinks, window) *
+                     ring[2]);
+                if (!wide) {
+                    kr[i] = (const float *)row + k_at, vr[i] = (const float *)row + v_at;
+                    continue;
+                }
+                float *w = wide + i * (d_k[g] + d_v[g]);
+                to_floats(row + 2 * k_at, (int32_t)ring[6], d_k[g], w);
+                to_floats(row + 2 * v_at, (int32_t)ring[6], d_v[g], w + d_k[g]);
+                kr[i] = w, vr[i] = w + d_k[g];
+            }
             const float *qg = q + n * q_width + q_at_of(d_k, g, group);
             float whole[n_whole + 1]; /* scores of one query over them (at most sinks + window) */
             for (int32_t j = 0; j < group; j++) {
@@ -857,7 +912,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     m = t > m ? t : m;
                 }
                 for (int64_t i = 0; i < n_whole; i++) { /* a vector at a time: a scalar sum waits on each add */
-                    const float *row = rows + ring_slot(i < lo ? i : hi + i - lo, sinks, window) * ring[2] + k_at;
+                    const float *row = kr[i];
                     int32_t c = 0;
                     vf acc = {0};
                     for (; c + VW <= d_k[g]; c += VW) acc = acc + loadv(qj + c) * loadv(row + c);
@@ -876,7 +931,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                     for (int32_t c = 0; c < d_v[g]; c++) oj[c] += w * acc[j * d_v[g] + c];
                 }
                 for (int64_t i = 0; i < n_whole; i++) {
-                    const float *row = rows + ring_slot(i < lo ? i : hi + i - lo, sinks, window) * ring[2] + v_at;
+                    const float *row = vr[i];
                     float w = expf(whole[i] - m);
                     sum += w;
                     int32_t c = 0;
@@ -885,64 +940,95 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                 }
                 for (int32_t c = 0; c < d_v[g]; c++) oj[c] /= sum;
             }
+            free(kr), free(wide);
         }
     }
     free(partial);
     return failed ? -1 : 0;
 }
 
-/* One layer's decode step in one call: this step's keys k [n_req, k_stride] and values v [n_req, v_stride] (float32)
- * written into their slots (slot −1: padding, skipped) — a bits layer's encoded into band codes, a rank layer's
- * float32 numbers copied —, then kvfold_decode_attention of q over vLLM's block table and lengths into out. What
- * does not change from step to step is `layer`, int64s that cpu_bits.DecodeLayer packs once per layer:
+/* One layer's decode step in one call: this step's keys k [n_req, k_stride] and values v [n_req, v_stride] written
+ * into their slots (slot −1: padding, skipped) — a bits layer's encoded into band codes, a rank layer's numbers
+ * copied (its cache holds them in the step's dtype) —, then kvfold_decode_attention of q over vLLM's block table and
+ * lengths into out. q, k, v, out and a ring's rows hold numbers of format `fmt` (number_size's: the model's dtype;
+ * strides count numbers): 16-bit ones are widened to float32 here and out narrowed at the end. What does not change
+ * from step to step is `layer`, int64s that cpu_step.DecodeLayer packs once per layer:
  *   0 banded  1 row_bytes  2 block_size  3 key_bytes  4 n_kv  5 group  6 d_k*  7 d_v*  8 k_rows*  9 n_k_rows
  *   10 v_rows*  11 n_v_rows  12 k_segments*  13 k_first*  14 v_segments*  15 v_first*  16 log8*  17 fit_steps
  * (*: addresses). At batch 1 a layer's Python, three ctypes calls and their ~50 arguments cost more than its
- * attention over a short context; this is one call of fifteen. Returns kvfold_decode_attention's. */
-int kvfold_decode_layer(const int64_t *layer, const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+ * attention over a short context; this is one call of eighteen. Returns kvfold_decode_attention's. */
+int kvfold_decode_layer(const int64_t *layer, const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                         const int64_t *slots, uint8_t *cache, int64_t block_bytes, const int32_t *table,
-                        int64_t table_stride, const int32_t *seq_lens, int64_t n_blocks, const float *q, float *out,
-                        int64_t n_req, float scaling, const int64_t *ring) {
+                        int64_t table_stride, const int32_t *seq_lens, int64_t n_blocks, const void *q, void *out,
+                        int64_t n_req, float scaling, const int64_t *ring, int32_t fmt) {
     const int64_t row_bytes = layer[1], block_size = layer[2], key_bytes = layer[3];
     const int32_t n_kv = (int32_t)layer[4], group = (int32_t)layer[5];
     const int32_t *d_k = (const int32_t *)layer[6], *d_v = (const int32_t *)layer[7];
     const float *log8 = (const float *)layer[16];
+    const size_t size = number_size(fmt);
+    int32_t k_width = 0, v_width = 0;
+    for (int32_t g = 0; g < n_kv; g++) k_width += d_k[g], v_width += d_v[g];
     if (!block_bytes) block_bytes = block_size * row_bytes;
     if (layer[0]) {
-#pragma omp parallel for schedule(static) if (n_req >= 128)
+        int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed) if (n_req >= 128)
         for (int64_t r = 0; r < n_req; r++) {
             if (slots[r] < 0) continue; /* padding */
             uint8_t *row = cache + slot_offset(slots[r], block_size, block_bytes, row_bytes);
-            encode_segments(k + r * k_stride, (const int32_t *)layer[8], (int32_t)layer[9], log8, (int32_t)layer[17],
-                            row);
-            encode_segments(v + r * v_stride, (const int32_t *)layer[10], (int32_t)layer[11], log8,
-                            (int32_t)layer[17], row + key_bytes);
+            const float *kf = (const float *)((const uint8_t *)k + r * k_stride * size);
+            const float *vf = (const float *)((const uint8_t *)v + r * v_stride * size);
+            float *wide = fmt ? malloc(sizeof(float) * (size_t)(k_width + v_width)) : NULL;
+            if (fmt && !wide) {
+                failed = 1;
+                continue;
+            }
+            if (fmt) { /* the encoder reads float32 */
+                to_floats(kf, fmt, k_width, wide), to_floats(vf, fmt, v_width, wide + k_width);
+                kf = wide, vf = wide + k_width;
+            }
+            encode_segments(kf, (const int32_t *)layer[8], (int32_t)layer[9], log8, (int32_t)layer[17], row);
+            encode_segments(vf, (const int32_t *)layer[10], (int32_t)layer[11], log8, (int32_t)layer[17],
+                            row + key_bytes);
+            free(wide);
         }
+        if (failed) return -1;
     } else {
         for (int64_t r = 0; r < n_req; r++) {
             if (slots[r] < 0) continue;
             uint8_t *row = cache + slot_offset(slots[r], block_size, block_bytes, row_bytes);
-            memcpy(row, k + r * k_stride, (size_t)key_bytes);
-            memcpy(row + key_bytes, v + r * v_stride, (size_t)(row_bytes - key_bytes));
+            memcpy(row, (const uint8_t *)k + r * k_stride * size, (size_t)key_bytes);
+            memcpy(row + key_bytes, (const uint8_t *)v + r * v_stride * size, (size_t)(row_bytes - key_bytes));
         }
     }
     if (ring) { /* a windowed layer: the step's whole row into its ring too (its slot held position seq − 1 − window,
                  * which this query reads from codes), so that the attention reads every whole row from the ring */
-        int32_t k_width = 0, v_width = 0;
-        for (int32_t g = 0; g < n_kv; g++) k_width += d_k[g], v_width += d_v[g];
         for (int64_t r = 0; r < n_req; r++) {
             int64_t p = seq_lens[r] - 1;
             if (p < 0 || (p >= ring[4] && ring[5] == 0)) continue; /* past the sinks, no window: codes only */
-            float *row = (float *)ring[0] + ((const int32_t *)ring[3])[r] * ring[1];
-            row += ring_slot(p, ring[4], ring[5]) * ring[2];
-            memcpy(row, k + r * k_stride, sizeof(float) * (size_t)k_width);
-            memcpy(row + k_width, v + r * v_stride, sizeof(float) * (size_t)v_width);
+            uint8_t *row = (uint8_t *)ring[0] + size * (((const int32_t *)ring[3])[r] * ring[1] +
+                                                        ring_slot(p, ring[4], ring[5]) * ring[2]);
+            memcpy(row, (const uint8_t *)k + r * k_stride * size, size * (size_t)k_width);
+            memcpy(row + size * k_width, (const uint8_t *)v + r * v_stride * size, size * (size_t)v_width);
         }
     }
-    return kvfold_decode_attention(cache, NULL, table, table_stride, seq_lens, n_blocks, block_size, block_bytes, NULL,
-                                   row_bytes, q, out, n_req, n_kv, group, d_k, d_v, (const int32_t *)layer[12],
-                                   (const int32_t *)layer[13], (const int32_t *)layer[14], (const int32_t *)layer[15],
-                                   log8, scaling, ring);
+    const float *qf = q;
+    float *of = out;
+    int64_t q_numbers = n_req * group * k_width, o_numbers = n_req * group * v_width;
+    if (fmt) { /* the attention reads and writes float32 */
+        float *buf = malloc(sizeof(float) * (size_t)(q_numbers + o_numbers));
+        if (!buf) return -1;
+        to_floats(q, fmt, q_numbers, buf);
+        qf = buf, of = buf + q_numbers;
+    }
+    int failed = kvfold_decode_attention(cache, NULL, table, table_stride, seq_lens, n_blocks, block_size, block_bytes,
+                                         NULL, row_bytes, qf, of, n_req, n_kv, group, d_k, d_v,
+                                         (const int32_t *)layer[12], (const int32_t *)layer[13],
+                                         (const int32_t *)layer[14], (const int32_t *)layer[15], log8, scaling, ring);
+    if (fmt) {
+        if (!failed) from_floats(of, fmt, o_numbers, out);
+        free((void *)qf);
+    }
+    return failed;
 }
 
 /* One query's attention over n whole rows (row r at rows_at(r)): out normalised, the log-sum-exp returned. NV > 0:

@@ -32,7 +32,7 @@ from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.bits_table import band_table, unpack
 
-__all__ = ["NUMBER_DTYPES", "DecodeLayer", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c",
+__all__ = ["NUMBER_DTYPES", "STEP_FORMATS", "decode_attention_c", "decode_rows_c", "encode_layer_rows_c",
            "encode_rows_c", "library", "write_layer_slots_c", "write_number_slots_c"]
 
 _log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ def _build(extra: tuple[str, ...]) -> ctypes.CDLL | None:
     lib.kvfold_copy_slots.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.kvfold_decode_layer.restype = ctypes.c_int
-    lib.kvfold_decode_layer.argtypes = [p, p, i64, p, i64, p, p, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p]
+    lib.kvfold_decode_layer.argtypes = [p, p, i64, p, i64, p, p, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p,
+                                        i32]
     lib.kvfold_decode_rows.restype = None
     lib.kvfold_decode_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -167,6 +168,8 @@ _layers: dict[tuple[int, torch.dtype], tuple[weakref.ref, _Layer]] = {}
 
 # A rank-format row's numbers as cpu_bits.c reads them: (bits, scale_kind) of one number in the cache's dtype
 NUMBER_DTYPES = {torch.float32: (32, 0), torch.float16: (16, 0), torch.bfloat16: (16, 3)}
+# A decode step's numbers (q, k, v, out, a ring's rows) as kvfold_decode_layer takes them: its `fmt`
+STEP_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _number_heads(widths: tuple[int, ...], offsets: tuple[int, ...], size: int, bits: int, kind: int,
@@ -178,7 +181,7 @@ def _number_heads(widths: tuple[int, ...], offsets: tuple[int, ...], size: int, 
             torch.arange(len(widths) + 1, dtype=torch.int32))
 
 
-def _layer(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
+def layer_args(dims: LayerDims, cache_dtype: torch.dtype = torch.uint8) -> _Layer:
     """The layer's arguments: its band codes (a bits layer, uint8 cache), or its numbers in `cache_dtype` (a
     rank layer: one of NUMBER_DTYPES)."""
     key = (id(dims), cache_dtype)
@@ -228,7 +231,7 @@ def _encode(x: torch.Tensor, segments: torch.Tensor, rows: torch.Tensor) -> None
 def encode_layer_rows_c(k: torch.Tensor, v: torch.Tensor, dims: LayerDims) -> torch.Tensor:
     """k [N, Σ d_k], v [N, Σ d_v] on the CPU -> a bits layer's rows [N, key bytes + value bytes] uint8 (each
     encode_heads(k) ++ encode_heads(v)), written in place. library() must not be None."""
-    lay = _layer(dims)
+    lay = layer_args(dims)
     rows = torch.empty(k.shape[0], lay.key_bytes + lay.value_bytes, dtype=torch.uint8)
     _encode(k, lay.k_rows, rows[:, :lay.key_bytes])
     _encode(v, lay.v_rows, rows[:, lay.key_bytes:])
@@ -240,7 +243,7 @@ def write_layer_slots_c(rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor
     """A bits layer's paged rows written in place: k [N, Σ d_k], v [N, Σ d_v] on the CPU -> encode_layer_rows_c's
     bytes at rows[slots[i]] (rows [num_slots, row bytes] uint8, contiguous; slots int64, −1: padding, skipped).
     library() must not be None."""
-    lib, lay = library(), _layer(dims)
+    lib, lay = library(), layer_args(dims)
     assert rows.is_contiguous() and rows.dtype == torch.uint8 and rows.shape[-1] == lay.key_bytes + lay.value_bytes
     slots = slots.to(torch.int64).contiguous()
     for x, segments, at in ((_floats(k), lay.k_rows, 0), (_floats(v), lay.v_rows, lay.key_bytes)):
@@ -304,7 +307,7 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     -> [N, Σ_h d_v(g(h))] float32, into `out` when given (float32, contiguous): attention over
     decode_heads' values (or the numbers) up to float32 round-off (torch_decode.packed_decode's contract).
     library() must not be None; group ≤ 64."""
-    lib, lay = library(), _layer(dims, blocks.dtype)
+    lib, lay = library(), layer_args(dims, blocks.dtype)
     n = q.shape[0]
     (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
     row_bytes = lay.key_bytes + lay.value_bytes
@@ -330,68 +333,3 @@ def decode_attention_c(q: torch.Tensor, blocks: torch.Tensor, block_ids: torch.T
     if failed:
         raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
     return out
-
-
-_RingArgs = ctypes.c_int64 * 6  # kvfold_decode_layer's `ring`
-
-
-class DecodeLayer:
-    """One layer's decode step as one C call (kvfold_decode_layer): the step's keys and values written into their
-    slots (write_layer_slots_c's codes, or write_number_slots_c's float32 numbers), then decode_attention_c over
-    vLLM's block table and lengths. Made once per layer, for its cache's row dtype (uint8 codes of a bits layer, or
-    a rank layer's float32 numbers) and block size: everything that does not change from step to step is packed
-    here once, so a step's Python is a few addresses and one call (at batch 1, over a short context, a layer's
-    separate write and attention calls took 73–120 µs, nearly all Python and ctypes; this one 22–33). A windowed
-    bits layer (kernels/paged_window.py) passes its rings: the step's whole rows are written there too, and each
-    request reads its sinks and recent positions from them, the rest from codes. library() must not be None."""
-
-    def __init__(self, dims: LayerDims, cache_dtype: torch.dtype, block_size: int) -> None:
-        assert (cache_dtype == torch.uint8) if dims.banded else (cache_dtype == torch.float32)
-        assert dims.group <= 64
-        lay = _layer(dims, cache_dtype)
-        (k_seg, k_first), (v_seg, v_first) = lay.k_heads, lay.v_heads
-        self._kept = lay  # the tensors whose addresses `_args` holds
-        self._args = torch.tensor(
-            [int(dims.banded), lay.key_bytes + lay.value_bytes, block_size, lay.key_bytes, len(dims.d_k), dims.group,
-             lay.d_k.data_ptr(), lay.d_v.data_ptr(), lay.k_rows.data_ptr(), lay.k_rows.shape[0],
-             lay.v_rows.data_ptr(), lay.v_rows.shape[0], k_seg.data_ptr(), k_first.data_ptr(), v_seg.data_ptr(),
-             v_first.data_ptr(), lay.log8.data_ptr(), FIT_STEPS], dtype=torch.int64)
-        self._row_bytes, self._block_size, self._call = lay.key_bytes + lay.value_bytes, block_size, \
-            library().kvfold_decode_layer
-        self._width = sum(dims.d_k) + sum(dims.d_v)  # a ring row's floats
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-                 table: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scaling: float,
-                 ring: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> bool:
-        """q [N, Σ_h d_k(g(h))] (any shape of those numbers, contiguous), k [N, …, Σ d_k] and v [N, …, Σ d_v] (unit
-        stride along a row, any row stride), slots [N] int64, cache the layer's [num_blocks, …, block_size, C]
-        (each block's rows contiguous, the blocks any stride apart: vLLM's block-outer layouts), table [N, ≥ blocks]
-        int32 (unit stride along a row), seq_lens [N] int32 (the new tokens counted), out [N, …] float32
-        contiguous; `ring`: (rows [ring_blocks, sinks + window, ≥ Σd_k + Σd_v] float32, unit stride along a row,
-        ring_blocks [N] int32 each request's ring, sinks, window) -> True once written and attended; False (nothing
-        done) where the tensors are not as described, for the caller's general path."""
-        n = seq_lens.shape[0]
-        block = cache.reshape(cache.shape[0], -1, cache.shape[-1])  # a view where each block's rows are contiguous
-        if not (q.dtype is k.dtype is v.dtype is out.dtype is torch.float32 and q.is_contiguous()
-                and out.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype is torch.int64
-                and slots.shape[0] == n == q.shape[0] == k.shape[0] == v.shape[0] and table.dtype is torch.int32
-                and table.stride(-1) == 1 and seq_lens.dtype is torch.int32 and seq_lens.is_contiguous()
-                and slots.is_contiguous() and block.data_ptr() == cache.data_ptr() and block[0].is_contiguous()
-                and cache.shape[-1] * cache.element_size() == self._row_bytes and cache.shape[-2] == self._block_size
-                and q.device.type == "cpu"):
-            return False
-        windowed = None
-        if ring is not None:
-            rows, ring_blocks, sinks, window = ring
-            if not (rows.dtype is torch.float32 and rows.stride(-1) == 1 and rows.device.type == "cpu"
-                    and rows.shape[-1] >= self._width and ring_blocks.shape[0] == n):
-                return False
-            ring_blocks = ring_blocks.to(torch.int32).contiguous()  # as it comes (vllm/ring.py): no copy
-            windowed = _RingArgs(rows.data_ptr(), rows.stride(0), rows.stride(1), ring_blocks.data_ptr(), sinks,
-                                 window)  # a ctypes array: a few µs less than a tensor, each layer and step
-        if self._call(self._args.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                      block.data_ptr(), block.stride(0) * block.element_size(), table.data_ptr(), table.stride(0),
-                      seq_lens.data_ptr(), table.shape[1], q.data_ptr(), out.data_ptr(), n, scaling,
-                      None if windowed is None else ctypes.addressof(windowed)):
-            raise MemoryError("kvfold: the C decode attention could not allocate its buffers")
-        return True

@@ -37,13 +37,13 @@ import torch
 from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.cpu_bits import (
     NUMBER_DTYPES,
-    DecodeLayer,
     decode_attention_c,
     encode_layer_rows_c,
     library,
     write_layer_slots_c,
     write_number_slots_c,
 )
+from kvfold_runtime.kernels.cpu_step import DecodeLayer
 from kvfold_runtime.kernels.torch_bits import decode_rows, encode_rows
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.torch_sdpa import sdpa_attention
@@ -259,14 +259,14 @@ def decode_step_c(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tens
 
 
 def decode_layer_c(dims: LayerDims, kv: torch.Tensor, fp8: torch.dtype | None) -> DecodeLayer | None:
-    """The layer's decode step as one C call (cpu_bits.DecodeLayer: write_paged, then decode_step_c), for its
+    """The layer's decode step as one C call (cpu_step.DecodeLayer: write_paged, then decode_step_c), for its
     cache kv [num_blocks, …, block_size, C]; None where C does not run it: no library, a cache off the CPU or not
-    contiguous, fp8 codes, a rank layer's numbers in a dtype other than float32, a group over 64."""
+    contiguous, fp8 codes, a group over 64."""
     codec = row_codec(dims, fp8)
     blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
-    query = blocks.new_empty(0, dtype=torch.float32)  # what _reads_in_c asks of the query: a CPU float32 one
+    query = blocks.new_empty(0)  # what _reads_in_c asks of the query: a CPU one
     # one block's rows contiguous is enough: DecodeLayer takes the blocks any stride apart (block-outer layouts)
-    if not _reads_in_c(codec, query, blocks[:1]) or (not dims.banded and blocks.dtype != torch.float32):
+    if not _reads_in_c(codec, query, blocks[:1]):
         return None
     return DecodeLayer(dims, blocks.dtype, blocks.shape[1])
 

@@ -18,7 +18,7 @@ Plain torch, any device. The step's one-token requests run together (kernels.pag
 blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, its
 whole rows gathered, and one causal attention over the codes merged with the whole rows' part
 (kernels.window_prefill, through the caller's fast causal kernel where it gives one). On a CPU, vLLM's backend runs a
-step of decodes only in C instead (cpu_bits.DecodeLayer with the rings: the step's row written to its ring first, as
+step of decodes only in C instead (cpu_step.DecodeLayer with the rings: the step's row written to its ring first, as
 no decode reads its own slot's previous row whole); this path serves the other steps and devices.
 """
 

@@ -19,8 +19,8 @@ CPU by vLLM's own CPU kernel over the decoded rows (kvfold_runtime.vllm.cpu_pref
 (its StepPlan) is made by the step's first layer and kept in the step's metadata for the others. A step of
 decodes only, no sliding window, on a CPU reads vLLM's block table and lengths in C as they are (no plan: vLLM
 keeps one metadata per KV cache group, and a bits export's per-layer page sizes make many groups), and a bits
-layer's rows are encoded straight into their slots; there a float32 layer's write and attention are one C call
-(kernels.paged.decode_layer_c: separate calls' Python and ctypes cost ~50–90 µs more a layer at batch 1).
+layer's rows are encoded straight into their slots; there a layer's write and attention are one C call, in any
+model dtype (kernels.paged.decode_layer_c: separate calls' Python and ctypes cost ~50–90 µs more a layer at batch 1).
 
 The per-head widths and bands reach the implementation through the layer (`kvfold_dims=` extra argument of
 vLLM's Attention). A rank layer's cache holds the model dtype, or with vLLM's `kv_cache_dtype="fp8"` (e4m3) /
