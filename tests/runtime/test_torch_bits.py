@@ -145,7 +145,7 @@ def test_a_layers_c_arguments_are_kept_while_its_dims_live():
     assert torch.equal(rows, torch.cat([encode_heads(k, dims.d_k, dims.k_bands),
                                         encode_heads(v, dims.d_v, dims.v_bands)], -1))
     key = (id(dims), torch.uint8)
-    assert cpu_bits._layers[key][1] is cpu_bits._layer(dims)
+    assert cpu_bits._layers[key][1] is cpu_bits.layer_args(dims)
     del dims
     gc.collect()
     assert key not in cpu_bits._layers
