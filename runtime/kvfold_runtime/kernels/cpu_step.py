@@ -19,15 +19,15 @@ _RingArgs = ctypes.c_int64 * 7  # kvfold_decode_layer's `ring`
 
 
 class DecodeLayer:
-    """One layer's decode step as one C call (kvfold_decode_layer): the step's keys and values written into their
-    slots (write_layer_slots_c's codes, or write_number_slots_c's numbers), then decode_attention_c over vLLM's
-    block table and lengths, for a step in the model's dtype (STEP_FORMATS: float32, or bfloat16 and float16,
-    widened to float32 in C as decode_attention_c's caller does in torch). Made once per layer, for its cache's row
-    dtype (uint8 codes of a bits layer, or a rank layer's numbers in the model's dtype) and block size: everything that does not change from step to step is packed
-    here once, so a step's Python is a few addresses and one call (at batch 1, over a short context, a layer's
-    separate write and attention calls took 73–120 µs, nearly all Python and ctypes; this one 22–33). A windowed
-    bits layer (kernels/paged_window.py) passes its rings: the step's whole rows are written there too, and each
-    request reads its sinks and recent positions from them, the rest from codes. library() must not be None."""
+    """One layer's decode step as one C call (kvfold_decode_layer): the step's keys and values written into their slots
+    (write_layer_slots_c's codes, or write_number_slots_c's numbers), then decode_attention_c over vLLM's block table
+    and lengths, for a step in the model's dtype (STEP_FORMATS: float32, or bfloat16 and float16, widened to float32 in
+    C as decode_attention_c's caller does in torch). Made once per layer, for its cache's row dtype (uint8 codes of a
+    bits layer, or a rank layer's numbers in the model's dtype) and block size: everything that does not change from
+    step to step is packed here once, so a step's Python is a few addresses and one call (at batch 1, over a short
+    context, a layer's separate write and attention calls took 73–120 µs, nearly all Python and ctypes; this one 22–33).
+    A windowed bits layer (kernels/paged_window.py) passes its rings: the step's whole rows are written there too, and
+    each request reads its sinks and recent positions from them, the rest from codes. library() must not be None."""
 
     def __init__(self, dims: LayerDims, cache_dtype: torch.dtype, block_size: int) -> None:
         assert (cache_dtype == torch.uint8) if dims.banded else (cache_dtype in STEP_FORMATS)
