@@ -23,12 +23,17 @@ GOLDEN = Path(__file__).parent / "golden" / "exports.json"
 _VOLATILE = {"kvfold_version", "torch_version", "transformers_version", "path", "spec", "files"}
 _FLOAT_BYTES = {"stats_sha256"}
 # Floats agree to a relative tolerance: the same code on another CPU (AMD vs Intel BLAS) moves sums and
-# measured KL by ~1e-7 relative, and a bits export's KL tail by up to ~3e-4 (round-off flips a few band
+# measured KL by ~1e-7 relative (a weight sum with cancellation, gpt2's c_proj at 0.247, by 1.5e-5 on an AMD EPYC
+# Zen 2, 2026-12-03), and a bits export's KL tail by up to ~3e-4 (round-off flips a few band
 # codes); a real change to an export moves them by far more. The discrete content (ranks, bit widths,
 # shapes, names) must be equal exactly.
-_REL_TOL = 1e-5
+_REL_TOL = 1e-4
 _METRIC_REL_TOL = 1e-3
 _METRICS = {"kl", "kl_p99", "ppl_ratio", "top1_ratio", "baseline_ppl"}
+# The 99th percentile of a tiny model's per-token KL (a few hundred tokens) rests on a handful of tokens: on an AMD
+# EPYC Zen 2 the bits case's first point read 3.16e-5 against the golden's 3.31e-5 (2026-12-03), its mean KL and
+# every discrete field equal. Such a tail is compared to 5e-6 nats absolute; the means keep 1e-6.
+_TAIL_ABS_TOL = {"kl_p99": 5e-6}
 
 # name -> (architecture, export arguments): a RoPE model in both formats and a model without RoPE. The bits case
 # keeps the bands anywhere (--band-align 1), as it was written before bands were aligned to 16 dims by default (issue
@@ -78,7 +83,7 @@ def _same(a, b, where: str = "") -> list[str]:
         return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _same(x, y, f"{where}[{i}]")]
     if isinstance(a, float) and isinstance(b, float | int) and not isinstance(b, bool):
         metric = where.rsplit(".", 1)[-1] in _METRICS  # a KL under 1e-6 nats is round-off, not a difference
-        rel, abs_ = (_METRIC_REL_TOL, 1e-6) if metric else (_REL_TOL, 1e-9)
+        rel, abs_ = (_METRIC_REL_TOL, _TAIL_ABS_TOL.get(where.rsplit(".", 1)[-1], 1e-6)) if metric else (_REL_TOL, 1e-9)
         if (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=abs_):
             return []
         return [f"{where}: {a!r} != {b!r}"]
