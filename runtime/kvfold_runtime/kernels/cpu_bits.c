@@ -893,11 +893,10 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
             }
             /* whole row i's keys at kr[i], values at vr[i]: float32 rows read in place, 16-bit ones widened once
              * here into `wide` (each is read once per query of the group) */
-            const float **kr = n_whole ? malloc(sizeof(float *) * (size_t)(2 * n_whole)) : NULL;
-            const float **vr = kr ? kr + n_whole : NULL;
+            const float *kr[n_whole + 1], *vr[n_whole + 1];
             float *wide = n_whole && ring[6] ? malloc(sizeof(float) * (size_t)(n_whole * (d_k[g] + d_v[g]))) : NULL;
-            if (n_whole && (!kr || (ring[6] && !wide))) {
-                free(kr), free(wide), failed = 1;
+            if (n_whole && ring[6] && !wide) {
+                failed = 1;
                 continue;
             }
             for (int64_t i = 0; i < n_whole; i++) {
@@ -951,7 +950,7 @@ int kvfold_decode_attention(const uint8_t *blocks, const int64_t *block_ids, con
                 }
                 for (int32_t c = 0; c < d_v[g]; c++) oj[c] /= sum;
             }
-            free(kr), free(wide);
+            free(wide);
         }
     }
     free(partial);
@@ -981,28 +980,21 @@ int kvfold_decode_layer(const int64_t *layer, const void *k, int64_t k_stride, c
     for (int32_t g = 0; g < n_kv; g++) k_width += d_k[g], v_width += d_v[g];
     if (!block_bytes) block_bytes = block_size * row_bytes;
     if (layer[0]) {
-        int failed = 0;
-#pragma omp parallel for schedule(static) reduction(| : failed) if (n_req >= 128)
+#pragma omp parallel for schedule(static) if (n_req >= 128)
         for (int64_t r = 0; r < n_req; r++) {
             if (slots[r] < 0) continue; /* padding */
             uint8_t *row = cache + slot_offset(slots[r], block_size, block_bytes, row_bytes);
             const float *kf = (const float *)((const uint8_t *)k + r * k_stride * size);
             const float *vf = (const float *)((const uint8_t *)v + r * v_stride * size);
-            float *wide = fmt ? malloc(sizeof(float) * (size_t)(k_width + v_width)) : NULL;
-            if (fmt && !wide) {
-                failed = 1;
-                continue;
-            }
-            if (fmt) { /* the encoder reads float32 */
+            float wide[fmt ? k_width + v_width : 1]; /* the encoder reads float32: one token's row */
+            if (fmt) {
                 to_floats(kf, fmt, k_width, wide), to_floats(vf, fmt, v_width, wide + k_width);
                 kf = wide, vf = wide + k_width;
             }
             encode_segments(kf, (const int32_t *)layer[8], (int32_t)layer[9], log8, (int32_t)layer[17], row);
             encode_segments(vf, (const int32_t *)layer[10], (int32_t)layer[11], log8, (int32_t)layer[17],
                             row + key_bytes);
-            free(wide);
         }
-        if (failed) return -1;
     } else {
         for (int64_t r = 0; r < n_req; r++) {
             if (slots[r] < 0) continue;
