@@ -127,6 +127,25 @@ static inline __attribute__((always_inline)) void band(const uint8_t *codes, int
 #endif
 }
 
+/* Numbers in the model's dtype — a decode step's q, k, v, out and a ring's rows, a rank row's plain numbers: 0 float32,
+ * 1 bfloat16, 2 float16 (cpu_bits.STEP_FORMATS). A step's 16-bit ones are widened to float32 once per step, and out
+ * narrowed at the end. */
+static inline size_t number_size(int32_t fmt) { return fmt ? 2 : 4; }
+
+static inline void to_floats(const void *src, int32_t fmt, int64_t n, float *dst) {
+    const uint16_t *h = src;
+    if (fmt == 0) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (fmt == 1) { /* bfloat16: the top half of a float32 (a loop the vectoriser takes) */
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t w = (uint32_t)h[i] << 16;
+            memcpy(dst + i, &w, 4);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) dst[i] = half_to_float(h[i]);
+    }
+}
+
 /* n_rows rows' segments [first, last) into out (row r at rows + r * row_stride, its numbers at
  * out + r * out_stride; see the header for a segment's six numbers). Segment by segment, each over all the
  * rows: the segment is read and its width dispatched once per run of rows, not once per row. */
@@ -147,17 +166,8 @@ static inline void decode_segments(const uint8_t *rows, int64_t row_stride, int6
         body;                                                                                                 \
     }
         switch (bits) { /* constant widths: each case compiles to its own unrolled loop */
-        case 16:
-            if (kind == 3) /* bfloat16: the top half of a float32 */
-                ROWS(for (int i = 0; i < n; i++) {
-                    uint32_t b = (uint32_t)(src[2 * i] | (src[2 * i + 1] << 8)) << 16;
-                    memcpy(dst + i, &b, 4);
-                })
-            else
-                ROWS(for (int i = 0; i < n; i++)
-                         dst[i] = half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8))));
-            break;
-        case 32: ROWS(memcpy(dst, src, sizeof(float) * (size_t)n)); break;
+        case 16: ROWS(to_floats(src, kind == 3 ? 1 : 2, n, dst)); break; /* bfloat16 (kind 3) or float16 */
+        case 32: ROWS(to_floats(src, 0, n, dst)); break;
         case 2: ROWS(band(src, row_len - code_at, n, dst, s, 2, 4, 1)); break;
         case 3: ROWS(band(src, row_len - code_at, n, dst, s, 3, 8, 3)); break;
         case 4: ROWS(band(src, row_len - code_at, n, dst, s, 4, 2, 1)); break;
@@ -193,24 +203,6 @@ static inline uint16_t float_to_bf16(float f) {
     memcpy(&w, &f, 4);
     if ((w & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
     return (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
-}
-
-/* A decode step's numbers (q, k, v, out, a ring's rows) in the model's dtype: 0 float32, 1 bfloat16, 2 float16
- * (cpu_bits.STEP_FORMATS). The 16-bit ones are widened to float32 once per step, and out narrowed at the end. */
-static inline size_t number_size(int32_t fmt) { return fmt ? 2 : 4; }
-
-static void to_floats(const void *src, int32_t fmt, int64_t n, float *dst) {
-    const uint16_t *h = src;
-    if (fmt == 0) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-    } else if (fmt == 1) { /* bfloat16: the top half of a float32 (a loop the vectoriser takes) */
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t w = (uint32_t)h[i] << 16;
-            memcpy(dst + i, &w, 4);
-        }
-    } else {
-        for (int64_t i = 0; i < n; i++) dst[i] = half_to_float(h[i]);
-    }
 }
 
 static void from_floats(const float *src, int32_t fmt, int64_t n, void *dst) {
