@@ -4,7 +4,7 @@ dtypes and strides, its Triton launches recorded (aot.capture), never run:
 
 - kvfold's bits decode over the GPU page layout (triton_pages.paged_pages_attention, kvfold_runtime.pages): 4 bits
   everywhere, and an export-like 8/5/4 | 6/4-bit mix on 16-dim bands and on 8-dim ones (its widths are compile-time
-  constants: each mix is its own build);
+  constants: each mix is its own build); and a windowed layer's codes part (triton_pages.history_parts);
 - kvfold's row-layout bits decode (triton_bits: bits_attention, paged_bits_attention) and bits prefill, every dim
   kept in 4-bit bands (the band widths are table data, not constexprs: aot_report checks that an 8/5/4 | 6/4-bit
   layer compiles to the same code);
@@ -77,6 +77,23 @@ def pages_decode(d: int, mixed: bool = False, chunk: int = 16) -> list[Launch]:
         kv = torch.zeros(8, 1, BLOCK, layout.row_bytes, dtype=torch.uint8)
         triton_pages.paged_pages_attention(q, kv, *_paged_inputs(b, CONTEXT), dims, scaling=d ** -0.5,
                                            max_query_len=1, max_seq_len=CONTEXT, num_splits=_splits(b, CONTEXT))
+    return launches
+
+
+def pages_history(d: int) -> list[Launch]:
+    """A windowed bits layer's decode over the page layout (kernels.paged_window on a GPU): the page kernel's codes
+    part over positions [sinks, i − window], 16 sinks and a 64-token window (the windowed export's defaults); its
+    whole rows' part and the merge are torch, not counted."""
+    from kvfold_runtime.kernels import triton_pages
+    from kvfold_runtime.pages import page_layout
+
+    dims, b = _pages_dims(d, True), DECODE_BATCH
+    layout = page_layout(dims, BLOCK)
+    with capture(triton_pages._pages_kernel) as launches:
+        q = torch.zeros(b, dims.q_width, dtype=DTYPE)
+        kv = torch.zeros(8, 1, BLOCK, layout.row_bytes, dtype=torch.uint8)
+        triton_pages.history_parts(q, kv, *_paged_inputs(b, CONTEXT), dims, scaling=d ** -0.5, sinks=16, window=64,
+                                   max_query_len=1, max_seq_len=CONTEXT, num_splits=_splits(b, CONTEXT))
     return launches
 
 
@@ -217,6 +234,8 @@ CASES = [
          "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits on 8-dim chunks (paged)",
          lambda d: pages_decode(d, mixed=True, chunk=8), "BLOCK_N", DECODE_BATCH),
+    Case("kvfold windowed bits decode's codes part, GPU page layout, 8/5/4 | 6/4 bits (paged)", pages_history,
+         "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode (contiguous)", lambda d: bits_decode(d, paged=False), "BLOCK_N", DECODE_BATCH,
          True),
     Case("kvfold bits decode (paged)", lambda d: bits_decode(d, paged=True), "BLOCK_N", DECODE_BATCH, True),

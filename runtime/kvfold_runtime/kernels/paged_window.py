@@ -14,23 +14,30 @@ reads whole. A step writes its tokens' codes first (the caller), then attends �
 its keys and values, older ones from the ring — and only then writes its rows into the ring, so a chunk longer than
 the window cannot overwrite rows its first queries still read.
 
-Plain torch, any device. The step's one-token requests run together (kernels.paged's batched decode over their
-blocks, the ring's rows put in place of the decoded ones); each prefill or chunk on its own: its rows decoded, its
-whole rows gathered, and one causal attention over the codes merged with the whole rows' part
-(kernels.window_prefill, through the caller's fast causal kernel where it gives one). On a CPU, vLLM's backend runs a
-step of decodes only in C instead (cpu_step.DecodeLayer with the rings: the step's row written to its ring first, as
-no decode reads its own slot's previous row whole); this path serves the other steps and devices.
+The step's one-token requests run together. In the GPU page layout (BandPages, where Triton runs) they take the
+page kernel for their codes part alone — positions [sinks, i − window] (triton_pages.history_parts) — and their
+whole rows' part is a small attention over the ring's readable rows and the query's own, merged with the codes'
+partial results by log-sum-exp (merge_parts): the codes are read once, in place, never decoded into a copy.
+Elsewhere (plain torch, any device) kernels.paged's batched decode reads their blocks and puts the ring's rows in
+place of the decoded ones. Each prefill or chunk runs on its own: its rows decoded (its own pages turned back into
+rows first in the page layout), its whole rows gathered, and one causal attention over the codes merged with the
+whole rows' part (kernels.window_prefill, through the caller's fast causal kernel where it gives one). On a CPU,
+vLLM's backend runs a step of decodes only in C instead (cpu_step.DecodeLayer with the rings: the step's row written
+to its ring first, as no decode reads its own slot's previous row whole); this path serves the other steps and
+devices.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvfold_runtime.format import LayerDims
+from kvfold_runtime.kernels.dispatch import paged_kernels_for
 from kvfold_runtime.kernels.paged import BandPages, BandRows, StepPlan, _gather, plan_step
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.window_prefill import LogitAttention, whole_positions, windowed_prefill
 
-__all__ = ["ring_slots", "windowed_paged_attention", "write_ring"]
+__all__ = ["merge_parts", "ring_slots", "windowed_paged_attention", "write_ring"]
 
 def ring_slots(positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """The ring slot of each position (see the module docstring)."""
@@ -75,24 +82,29 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     step's codes already written to `kv` (kernels.paged's layout, rows written by `codec`), its keys `key`
     [T, Σd_k] and values `value` [T, Σd_v] not yet in the ring (written by write_ring after this call).
     `prefill`: a faster causal attention with an extra key (window_prefill.LogitAttention), SDPA where None."""
-    if isinstance(codec, BandPages):  # the GPU page layout: read as rows (a copy of the cache)
-        kv, codec = codec.as_rows(kv), BandRows(codec.dims)
     dims = codec.dims
     d_k, d_v = list(dims.d_k), list(dims.d_v)
     split = sum(d_k)
-    blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), blocks.shape[1])
-    if plan.decode_rows is not None:
-        decoding = torch.tensor([r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1])
+    decoding = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+    pages = isinstance(codec, BandPages) and paged_kernels_for(query, codec) == "triton"
+    if decoding and pages:
+        _page_decodes(query, key, value, kv, ring, ring_blocks, block_table, seq_lens, torch.tensor(decoding),
+                      torch.tensor([starts[r] for r in decoding]), codec, scaling=scaling, sinks=sinks, window=window,
+                      out=out)
+    elif decoding:
+        rows_kv, rows_codec = (codec.as_rows(kv), BandRows(dims)) if isinstance(codec, BandPages) else (kv, codec)
+        blocks = rows_kv.reshape(rows_kv.shape[0], -1, rows_kv.shape[-1])
+        plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), blocks.shape[1])
+        decoding = torch.tensor(decoding)
         _decodes(query, key, value, blocks, ring, ring_blocks.cpu()[decoding], seq_lens.cpu()[decoding].long() - 1,
-                 plan, codec, scaling=scaling, sinks=sinks, window=window, out=out)
+                 plan, rows_codec, scaling=scaling, sinks=sinks, window=window, out=out)
     for r, s in enumerate(lens):
         first, t = starts[r], starts[r + 1] - starts[r]
         if t <= 1:  # decodes: above
             continue
         old = s - t  # tokens cached before this step
-        k, v = codec.decode(_gather(blocks, block_table[r], 0, s), query.dtype)  # [s, Σd_k], [s, Σd_v]
+        k, v = BandRows(dims).decode(_request_rows(kv, block_table[r], s, codec), query.dtype)  # [s, Σd_k], [s, Σd_v]
         positions = whole_positions(s, t, sinks, window).to(kv.device)  # the whole rows the step reads
         from_ring = positions < old
         exact = torch.empty(positions.shape[0], split + sum(d_v), dtype=ring.dtype, device=ring.device)
@@ -135,3 +147,77 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks
     v[newest.nonzero()[:, 0], last[newest]] = value[rows[newest]].to(v.dtype)
     out[rows] = packed_decode(query[rows], k, v, plan.decode_valid, d_k, d_v, codec.dims.group,
                               scaling=scaling).to(out.dtype)
+
+
+def _request_rows(kv: torch.Tensor, table_row: torch.Tensor, s: int, codec: BandRows) -> torch.Tensor:
+    """The rows [s, C] of one request's first s positions: its own blocks only (pages turned back into rows in the
+    page layout)."""
+    if isinstance(codec, BandPages):
+        layout = codec.layout
+        count = -(-s // layout.page)
+        pages = kv.reshape(kv.shape[0], -1).index_select(0, table_row[:count].long())
+        return layout.to_rows(pages).reshape(-1, layout.row_bytes)[:s]
+    return _gather(kv.reshape(kv.shape[0], -1, kv.shape[-1]), table_row, 0, s)
+
+
+def _page_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor,
+                  ring_blocks: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, decoding: torch.Tensor,
+                  rows: torch.Tensor, codec: BandPages, *, scaling: float, sinks: int, window: int,
+                  out: torch.Tensor) -> None:
+    """The step's one-token requests (`decoding`, their query rows `rows`) over the GPU page layout: their codes
+    part by the page kernel, their whole rows' part (_ring_part), merged."""
+    from kvfold_runtime.kernels import triton_pages  # imported only where Triton runs
+
+    dev, n = query.device, decoding.shape[0]
+    rows = rows.to(dev)
+    lens = seq_lens.to(dev)[decoding.to(dev)]
+    q = query[rows]
+    o, lse = triton_pages.history_parts(
+        q, kv, block_table[decoding.to(block_table.device)], lens, torch.arange(n + 1, dtype=lens.dtype, device=dev),
+        codec.dims, scaling=scaling, sinks=sinks, window=window, max_query_len=1, max_seq_len=int(lens.max()))
+    o[:, :, -1], lse[:, :, -1] = _ring_part(q, key[rows], value[rows], ring, ring_blocks[decoding.to(
+        ring_blocks.device)], lens.long() - 1, codec.dims, scaling=scaling, sinks=sinks, window=window,
+        width=o.shape[-1])
+    out[rows] = merge_parts(o, lse, codec.dims).to(out.dtype)
+
+
+def _ring_part(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, ring: torch.Tensor,
+               ring_blocks: torch.Tensor, last: torch.Tensor, dims: LayerDims, *, scaling: float, sinks: int,
+               window: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode's attention over its whole rows alone (query at position `last`, its row k_own / v_own not yet
+    in its ring): the ring's sinks before it and its window's older positions (the slot of `last` still holds
+    position last − window, a code), and its own row where it is whole -> (o [N, H, width] float32 normalised,
+    lse [N, H]; −inf where it saw no row)."""
+    n, f32, group = q.shape[0], torch.float32, dims.group
+    d_k, d_v = list(dims.d_k), list(dims.d_v)
+    split = sum(d_k)
+    slot = torch.arange(sinks + window, device=q.device)[None, :]  # [1, capacity]
+    position = slot.expand(n, -1)
+    if window:  # a window slot holds the latest position p ≤ last with p ≡ slot (mod window) (ring_slots)
+        position = torch.where(slot < sinks, slot, last[:, None] - (last[:, None] - slot).remainder(window))
+    readable = (position < last[:, None]) & ((slot < sinks) | (position >= sinks))
+    own = (last < sinks) | (window > 0)  # the query's own row: whole inside the sinks or the window
+    held = ring[ring_blocks.to(ring.device).long()][..., :split + sum(d_v)].to(q.device, f32)  # [N, capacity, ·]
+    seen = torch.cat([readable, own[:, None]], 1)[:, None, :]  # [N, 1, capacity + 1]
+    keys = torch.cat([held, torch.cat([k_own, v_own], -1).to(f32)[:, None]], 1)  # [N, capacity + 1, ·]
+    keys = torch.where(seen[:, 0, :, None], keys, 0.0)  # an unwritten slot may hold NaN: 0 · NaN is NaN
+    o = torch.zeros(n, len(d_k), group, width, dtype=f32, device=q.device)
+    lse = torch.empty(n, len(d_k), group, dtype=f32, device=q.device)
+    qs = q.to(f32).split([group * w for w in d_k], -1)
+    ks, vs = keys[..., :split].split(d_k, -1), keys[..., split:].split(d_v, -1)
+    for g, (dk, dv) in enumerate(zip(d_k, d_v, strict=True)):
+        scores = (qs[g].view(n, group, dk) @ ks[g].transpose(1, 2) * scaling).masked_fill(~seen, float("-inf"))
+        lse[:, g] = scores.logsumexp(-1)
+        weights = torch.nan_to_num(scores.softmax(-1))  # a query that saw no row: weights 0, not NaN
+        o[:, g, :, :dv] = weights @ vs[g]
+    return o.view(n, -1, width), lse.view(n, -1)
+
+
+def merge_parts(o: torch.Tensor, lse: torch.Tensor, dims: LayerDims) -> torch.Tensor:
+    """Partial attentions o [T, H, P, D] (each normalised over its own keys, dims in order) with their log-sum-exps
+    lse [T, H, P] (−inf: no key) -> the attention over all their keys, packed [T, Σ_h d_v(g(h))] float32."""
+    top = lse.amax(-1, keepdim=True)
+    weights = torch.where(lse > float("-inf"), (lse - top.clamp_min(torch.finfo(lse.dtype).min)).exp(), 0.0)
+    merged = (weights[..., None] * o).sum(2) / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(o.dtype).tiny)
+    g = dims.group
+    return torch.cat([merged[:, h * g:(h + 1) * g, :dv].flatten(1) for h, dv in enumerate(dims.d_v)], -1)

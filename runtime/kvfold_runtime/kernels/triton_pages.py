@@ -49,7 +49,7 @@ from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, def
 from kvfold_runtime.kernels.triton_unpack import chunk_values, plane_words, scale_bytes
 from kvfold_runtime.pages import page_layout
 
-__all__ = ["paged_pages_attention"]
+__all__ = ["history_parts", "paged_pages_attention"]
 
 # Compiled for sm_90 (kvfold-bench kernels --aot sm_90): 4 warps over 64-token blocks (128 where a head is at most 64
 # wide, so a block's softmax is shared by as many numbers) within 128 registers, four programs an SM; software
@@ -117,11 +117,12 @@ def _tile(base, first, valid, WIDTHS: tl.constexpr, PLANES: tl.constexpr, SCALES
 
 @triton.jit
 def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r, stride_table, page_bytes,
-          scale2, window, KIND: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr,
-          PAGE: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, VALUES: tl.constexpr, DTYPE: tl.constexpr,
-          BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+          scale2, window, sinks, KIND: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr,
+          HISTORY: tl.constexpr, PAGE: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, VALUES: tl.constexpr,
+          DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """One key block [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated. MASKED: keys past `hi`,
-    after a row's query or outside its window are hidden (a block every row sees whole needs no mask). k_at, v_at:
+    after a row's query or outside its window are hidden (a block every row sees whole needs no mask); HISTORY: so
+    are a windowed layer's whole keys (position < sinks or within `window` of the row's query). k_at, v_at:
     the head's first key and value plane in a page; KIND: the head's kind (PageLayout.kinds)."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < hi
@@ -141,6 +142,8 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
         seen = valid[None, :] & (pos[None, :] <= qpos[:, None])
         if WINDOWED:
             seen = seen & (qpos[:, None] - pos[None, :] < window)
+        if HISTORY:
+            seen = seen & (pos[None, :] >= sinks) & (qpos[:, None] - pos[None, :] >= window)
         s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that has seen no key yet: exp2 gives 0, not NaN
@@ -158,13 +161,15 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
 
 @triton.jit
 def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q, stride_o,
-            page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len, end, off_k, dk,
-            off_v, dv, KIND: tl.constexpr, WINDOWED: tl.constexpr, GROUP: tl.constexpr,
-            QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
+            page_bytes, stride_table, num_kv_heads, window, sinks, scaling, g, r, mb, sp, q_start, q_len, end, off_k,
+            dk, off_v, dv, KIND: tl.constexpr, WINDOWED: tl.constexpr, HISTORY: tl.constexpr, GROUP: tl.constexpr,
+            QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PARTS: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
             UPCAST: tl.constexpr):
     """One program's attention for a head of kind KIND (PageLayout.kinds: each chunk's width and where its planes
-    and scales lie): every unpacking and every offset but the head's own (k_at, v_at) is fixed at compile time."""
+    and scales lie): every unpacking and every offset but the head's own (k_at, v_at) is fixed at compile time.
+    HISTORY: a windowed layer's codes part only — keys at positions [sinks, query − window] — written as partial
+    results (PARTS slots a row: the splits, and one the caller fills with the whole rows' part)."""
     BLOCK_D: tl.constexpr = CH * NC
     # the dtype values are made in: the query's (Triton's interpreter does bfloat16 arithmetic on raw bits: there,
     # float32, see triton_common.dot_options)
@@ -187,6 +192,9 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, tab
     lo = first * 0
     if WINDOWED:  # from the block the window's first key is in: blocks start at multiples of BLOCK_N
         lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    if HISTORY:  # codes from the block the first one after the sinks is in, to the last query's position − window
+        lo = sinks // BLOCK_N * BLOCK_N
+        hi = tl.maximum(hi - window, lo)
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = lo + sp * chunk
     hi = tl.minimum(lo + chunk, hi)
@@ -198,26 +206,33 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, tab
     if QUERIES > 1 or WINDOWED:  # rows see different keys: every block masked (a decode compiles only the other)
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KIND, True, WINDOWED, PAGE, NC, CH, VALUES,
-                                  q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
-    else:  # one query token, no window: it sees every key but those past the split's end, in its last block
-        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-        for start in range(lo, full, BLOCK_N):
+                                  stride_table, page_bytes, scale2, window, sinks, KIND, True, WINDOWED, HISTORY, PAGE,
+                                  NC, CH, VALUES, q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
+    else:  # one query token: it sees every key but those past the split's end, in its last block (and the sinks)
+        begin = lo
+        if HISTORY:
+            if lo < sinks and lo < hi:  # the block the sinks end in: they are hidden
+                m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, lo, hi, qpos, r,
+                                      stride_table, page_bytes, scale2, window, sinks, KIND, True, False, HISTORY,
+                                      PAGE, NC, CH, VALUES, q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
+                begin = tl.minimum(lo + BLOCK_N, hi)
+        full = begin + (hi - begin) // BLOCK_N * BLOCK_N
+        for start in range(begin, full, BLOCK_N):
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KIND, False, WINDOWED, PAGE, NC, CH, VALUES,
-                                  q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
+                                  stride_table, page_bytes, scale2, window, sinks, KIND, False, False, False, PAGE,
+                                  NC, CH, VALUES, q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
         if full < hi:
             m_i, l_i, acc = _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, full, hi, qpos, r,
-                                  stride_table, page_bytes, scale2, window, KIND, True, WINDOWED, PAGE, NC, CH, VALUES,
-                                  q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
+                                  stride_table, page_bytes, scale2, window, sinks, KIND, True, False, HISTORY, PAGE,
+                                  NC, CH, VALUES, q_ptr.dtype.element_ty, BLOCK_N, DOT_PREC, UPCAST)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = tl.trans(acc) / safe_l[:, None]
-    if NUM_SPLITS == 1:
+    if PARTS == 1:
         o_at = out_ptr + tok_q[:, None] * stride_o + GROUP * off_v + j[:, None] * dv + dims[None, :]
         tl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=live[:, None] & (dims < dv)[None, :])
     else:  # partial results as triton_decode's combine kernel reads them, in dim order
-        slot = (tok_q * num_kv_heads * GROUP + g * GROUP + j) * NUM_SPLITS + sp
+        slot = (tok_q * num_kv_heads * GROUP + g * GROUP + j) * PARTS + sp
         tl.store(part_o_ptr + slot[:, None] * BLOCK_D + dims[None, :], o, mask=live[:, None])
         lse = tl.where(l_i > 0, m_i * 0.6931471805599453 + tl.log(safe_l), float("-inf"))  # natural log again
         tl.store(part_lse_ptr + slot, lse, mask=live)
@@ -225,9 +240,10 @@ def _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, tab
 
 @triton.jit
 def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr, kinds_ptr, layout_ptr, seq_lens_ptr,
-                  starts_ptr, table_ptr, stride_q, stride_o, page_bytes, stride_table, num_kv_heads, window, scaling,
-                  KINDS: tl.constexpr, WINDOWED: tl.constexpr, GROUP: tl.constexpr, QUERIES: tl.constexpr,
-                  PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  starts_ptr, table_ptr, stride_q, stride_o, page_bytes, stride_table, num_kv_heads, window, sinks,
+                  scaling, KINDS: tl.constexpr, WINDOWED: tl.constexpr, HISTORY: tl.constexpr, GROUP: tl.constexpr,
+                  QUERIES: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, PARTS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   NC: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     mb, g, sp, r, q_start, q_len = program_task(starts_ptr, NUM_SPLITS)
     if mb * QUERIES >= q_len:  # the grid covers the longest request
@@ -242,9 +258,9 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
     for i in tl.static_range(len(KINDS)):
         if kind == i:
             _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q,
-                    stride_o, page_bytes, stride_table, num_kv_heads, window, scaling, g, r, mb, sp, q_start, q_len,
-                    end, off_k, dk, off_v, dv, KINDS[i], WINDOWED, GROUP, QUERIES,
-                    PAGE, NUM_SPLITS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
+                    stride_o, page_bytes, stride_table, num_kv_heads, window, sinks, scaling, g, r, mb, sp, q_start,
+                    q_len, end, off_k, dk, off_v, dv, KINDS[i], WINDOWED, HISTORY, GROUP, QUERIES,
+                    PAGE, NUM_SPLITS, PARTS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
 
 
 def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -254,6 +270,30 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
                           num_splits: int | None = None) -> torch.Tensor:
     """triton_bits.paged_bits_attention's contract over a cache in the page layout: query [T, Σ_h d_k(g(h))] ->
     [T, Σ_h d_v(g(h))], kv [num_blocks, (1,) P, C] uint8 whose blocks are pages.PageLayout(dims, P) pages."""
+    if out is None:
+        out = query.new_empty(query.shape[0], dims.out_width)
+    _launch(query, kv, block_table, seq_lens, query_start_loc, dims, scaling, sliding_window, None, out,
+            max_query_len, max_seq_len, num_splits)
+    return out
+
+
+def history_parts(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, dims: LayerDims, *, scaling: float, sinks: int, window: int,
+                  max_query_len: int | None = None, max_seq_len: int | None = None,
+                  num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A windowed bits layer's codes part over the page layout: each query (at position i) over the keys at
+    positions [sinks, i − window] only -> partial results (o [T, H, S + 1, D] float32, each normalised over its own
+    keys, in dim order up to the layout's tile width D; their log-sum-exps [T, H, S + 1] of the scaled scores, −inf
+    where a part saw no key) over S context splits, the last slot left for the caller's whole rows' part (merged by
+    kernels.paged_window.merge_parts)."""
+    return _launch(query, kv, block_table, seq_lens, query_start_loc, dims, scaling, None, (sinks, window), None,
+                   max_query_len, max_seq_len, num_splits)
+
+
+def _launch(query, kv, block_table, seq_lens, query_start_loc, dims: LayerDims, scaling, sliding_window, history,
+            out, max_query_len, max_seq_len, num_splits):
+    """The page kernel over the step: into `out` (history None), or as partial results (history (sinks, window):
+    history_parts)."""
     check_query(query, dims.d_k, dims.d_v, dims.group)
     blocks = kv.reshape(kv.shape[0], -1)
     layout = page_layout(dims, kv.shape[-2])
@@ -270,26 +310,29 @@ def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: to
             if sliding_window is not None:
                 context = min(context, sliding_window)
             num_splits = default_splits(context, seq_lens.shape[0] * dims.num_kv_heads, _programs(str(query.device)))
-    if out is None:
-        out = query.new_empty(query.shape[0], dims.out_width)
     group, g_count, tokens = dims.group, dims.num_kv_heads, query.shape[0]
     nc, ch = layout.tile_chunks, layout.chunk
     queries = max(1, min(max_query_len, 64 // group)) if max_query_len > 1 else 1
     kinds = layout.kinds()[0]
-    if num_splits > 1:
-        part_o = torch.empty(tokens, g_count * group, num_splits, nc * ch, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(tokens, g_count * group, num_splits, dtype=torch.float32, device=query.device)
+    parts = num_splits + (history is not None)
+    if parts > 1:
+        part_o = torch.empty(tokens, g_count * group, parts, nc * ch, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(tokens, g_count * group, parts, dtype=torch.float32, device=query.device)
     else:
         part_o = part_lse = out
+    sinks, window = history if history is not None else (0, sliding_window or 0)
     grid = (triton.cdiv(max_query_len, queries), g_count * num_splits, seq_lens.shape[0])
     _pages_kernel[grid](
-        unit_columns(query), blocks, out, part_o, part_lse, head_table(dims.d_k, dims.d_v, query.device),
-        layout.head_kinds(query.device), layout.table(query.device), seq_lens, query_start_loc, block_table,
-        query.stride(0), out.stride(0), blocks.stride(0), block_table.stride(0), g_count, sliding_window or 0,
-        scaling, KINDS=kinds, WINDOWED=bool(sliding_window), GROUP=group, QUERIES=queries, PAGE=layout.page,
-        NUM_SPLITS=num_splits, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)),
+        unit_columns(query), blocks, out if out is not None else part_o, part_o, part_lse,
+        head_table(dims.d_k, dims.d_v, query.device), layout.head_kinds(query.device), layout.table(query.device),
+        seq_lens, query_start_loc, block_table, query.stride(0), 0 if out is None else out.stride(0),
+        blocks.stride(0), block_table.stride(0), g_count, window, sinks, scaling, KINDS=kinds,
+        WINDOWED=bool(sliding_window), HISTORY=history is not None, GROUP=group, QUERIES=queries, PAGE=layout.page,
+        NUM_SPLITS=num_splits, PARTS=parts, BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(queries * group)),
         BLOCK_N=_block_n(nc * ch), NC=nc, CH=ch, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=MAX_REGISTERS,
         **dot_options(_pages_kernel, query.dtype))
+    if history is not None:
+        return part_o, part_lse
     if num_splits > 1:
         _combine_kernel[(tokens, g_count * group)](
             part_o, part_lse, out, head_table(dims.d_k, dims.d_v, query.device), out.stride(0), g_count, GROUP=group,

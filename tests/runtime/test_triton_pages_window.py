@@ -1,0 +1,103 @@
+"""A windowed bits layer over the GPU page layout (kernels.paged_window where Triton runs): the decodes' codes part by
+the page kernel over positions [sinks, i − window] only (triton_pages.history_parts), their sinks and window read
+whole from the ring, the two merged by log-sum-exp; prefills and chunks decode their own pages. Whatever way a
+request's tokens arrive, each query reads token j whole where j < sinks or i − j < window and from its codes
+elsewhere — checked against that definition row by row, with contexts split in parts and pages shuffled in 0xFF-filled
+blocks. On CUDA when there is one, else in Triton's interpreter."""
+
+import os
+
+import pytest
+import torch
+
+from kvfold_runtime.bands import decode_heads
+from kvfold_runtime.kernels import row_codec, write_paged
+from kvfold_runtime.kernels.paged import BandPages
+from kvfold_runtime.kernels.reference import reference_attention
+from tests.conftest import rerun_in_triton_interpreter
+from tests.runtime.test_triton_pages import LAYERS, _kv, _rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEEDS_CHILD = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+kernels = pytest.mark.skipif(NEEDS_CHILD, reason="no GPU: run in Triton's interpreter by test_in_the_interpreter")
+SCALE, PAGE = 0.3, 16
+
+
+@pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
+def test_in_the_interpreter():
+    rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter")
+
+
+def _oracle(q, k, v, coded_k, coded_v, i, sinks, window, dims):
+    """Query row q at position i by the definition: a row-by-row reference on keys mixed per position."""
+    whole = torch.tensor([j < sinks or i - j < window for j in range(i + 1)])[:, None]
+    keys = torch.where(whole, k[:i + 1], coded_k[:i + 1])
+    values = torch.where(whole, v[:i + 1], coded_v[:i + 1])
+    return reference_attention(q[None, None], keys[None], values[None], list(dims.d_k), list(dims.d_v), dims.group,
+                               scaling=SCALE)[0, 0]
+
+
+@kernels
+@pytest.mark.parametrize(("layer", "sinks", "window", "splits"), [
+    ("mixed", 4, 32, 3),  # sinks inside the first key block, a window of two pages, contexts in three parts
+    ("eighths", 16, 64, None),  # 8-dim chunks (128-token key blocks); the default export's sinks and window
+    ("one head", 5, 0, 2),  # sinks only: a query's own row is a code
+    ("mixed", 0, 20, None)])  # a window only
+def test_page_decodes_read_codes_and_ring_as_the_definition(layer, sinks, window, splits, monkeypatch):
+    from kvfold_runtime.kernels import triton_pages
+    from kvfold_runtime.kernels.paged_window import windowed_paged_attention, write_ring
+
+    monkeypatch.setenv("KVFOLD_KERNELS", "triton")
+    if splits is not None:  # the context's parts as a long context or a small batch gets them
+        monkeypatch.setattr(triton_pages, "default_splits", lambda *a, **k: splits)
+    calls = []
+    real = triton_pages.history_parts
+    monkeypatch.setattr(triton_pages, "history_parts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    dims = LAYERS[layer]
+    codec = row_codec(dims, page=PAGE)
+    assert isinstance(codec, BandPages)
+    g = torch.Generator().manual_seed(sinks + window)
+    # per request, the tokens each step brings (0: not in that step): a long prefill then decodes; chunks (one
+    # longer than the window) then decodes; a short prefill arriving late, then decodes
+    schedule = [[150, 1, 1, 1], [40, 70, 1, 1], [0, 0, 9, 1]]
+    total = [sum(s) for s in schedule]
+    sides = [_kv(dims, n, g) for n in total]
+    qs = [torch.randn(n, dims.q_width, generator=g) for n in total]
+    k_bytes = dims.row_bytes()[0]
+    coded = []
+    for k, v in sides:
+        rows = _rows(dims, k, v)
+        coded.append((decode_heads(rows[:, :k_bytes], dims.d_k, dims.k_bands, torch.float32),
+                      decode_heads(rows[:, k_bytes:], dims.d_v, dims.v_bands, torch.float32)))
+    per = [-(-n // PAGE) for n in total]
+    blocks = torch.randperm(sum(per) + 3, generator=g)[:sum(per)]  # shuffled; three blocks no request holds
+    kv = torch.full((sum(per) + 3, 1, PAGE, codec.layout.row_bytes), 0xFF, dtype=torch.uint8, device=DEVICE)
+    table = torch.zeros(3, max(per), dtype=torch.int32)
+    for r, first in enumerate([0, per[0], per[0] + per[1]]):
+        table[r, :per[r]] = blocks[first:first + per[r]]
+    ring = torch.full((4, sinks + window, sum(dims.d_k) + sum(dims.d_v) + 5), float("nan"), device=DEVICE)
+    ring_blocks = torch.tensor([2, 0, 3])
+    done = [0, 0, 0]
+    for step in range(4):
+        reqs = [r for r in range(3) if schedule[r][step]]
+        news = [schedule[r][step] for r in reqs]
+        lens = [done[r] + n for r, n in zip(reqs, news, strict=True)]
+        starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
+        pos = [torch.arange(done[r], lens[i]) for i, r in enumerate(reqs)]
+        key = torch.cat([sides[r][0][p] for r, p in zip(reqs, pos, strict=True)]).to(DEVICE)
+        value = torch.cat([sides[r][1][p] for r, p in zip(reqs, pos, strict=True)]).to(DEVICE)
+        query = torch.cat([qs[r][p] for r, p in zip(reqs, pos, strict=True)]).to(DEVICE)
+        slots = torch.cat([table[r, p // PAGE].long() * PAGE + p % PAGE for r, p in zip(reqs, pos, strict=True)])
+        out = torch.full((query.shape[0], dims.out_width), float("nan"), device=DEVICE)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        step_table = table[reqs].to(DEVICE)
+        write_paged(kv, slots.to(DEVICE), key, value, codec=codec)
+        windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], step_table, seq_lens, starts, codec,
+                                 scaling=SCALE, sinks=sinks, window=window, out=out)
+        write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
+        for i, r in enumerate(reqs):
+            for row, p in enumerate(pos[i].tolist()):
+                want = _oracle(qs[r][p], *sides[r], *coded[r], p, sinks, window, dims)
+                torch.testing.assert_close(out[starts[i] + row].cpu(), want, rtol=1e-4, atol=1e-4)
+            done[r] = lens[i]
+    assert calls == [1, 2, 3], "the decodes did not take the page kernel"  # a step's decodes, in one call
