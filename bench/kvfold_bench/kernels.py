@@ -143,6 +143,25 @@ def _pages(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
             torch.arange(b + 1, dtype=torch.int32, device=device))
 
 
+def _windowed_decode(layer: LayerWidths, q, kv, table, lens, starts, scaling: float, gen, sinks: int = 16,
+                     window: int = 64):
+    """A windowed bits layer's decode step as vLLM's backend runs it on a GPU (kernels.paged_window: the page
+    kernel over the codes past the sinks and before the window, the sinks and window from each request's ring,
+    merged), the windowed export's defaults of 16 sinks and a 64-token window."""
+    from kvfold_runtime.kernels.paged import BandPages
+    from kvfold_runtime.kernels.paged_window import windowed_paged_attention
+
+    b, d = q.shape[0], layer.dims
+    widths = sum(d.d_k) + sum(d.d_v)
+    ring = torch.randn(b, sinks + window, widths, generator=gen, device=q.device).to(q.dtype)
+    key = torch.randn(b, sum(d.d_k), generator=gen, device=q.device).to(q.dtype)
+    value = torch.randn(b, sum(d.d_v), generator=gen, device=q.device).to(q.dtype)
+    out = torch.empty(b, d.out_width, dtype=q.dtype, device=q.device)
+    codec, blocks = BandPages(d, PAGE), torch.arange(b, device=q.device)
+    return lambda: windowed_paged_attention(q, key, value, kv, ring, blocks, table, lens, starts, codec,
+                                            scaling=scaling, sinks=sinks, window=window, out=out)
+
+
 def _bits_rows(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
     """Random keys/values of the layer's widths encoded into its band rows [B, S, bytes] (uint8). At most 4,096
     distinct tokens are encoded and then tiled (the encoder unpacks bit by bit: 64 × 32K tokens would need tens
@@ -240,6 +259,8 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
                                                          scaling=scaling, max_query_len=1, max_seq_len=s),
                            t_sdpa, timed, reps)
             row["kvfold_triton_pages_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
+            _time_into(row, "kvfold_triton_pages_window", _windowed_decode(layer, q[:, 0], kv, table, lens, starts,
+                                                                          scaling, gen), t_sdpa, timed, reps)
         row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
         return row
     k, v = rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
@@ -317,7 +338,8 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
                   "it dequantizes every kept dim)",
                   "bits layers: p against 16-bit numbers; kvfold_triton_bits reads the band codes as rows, "
                   "kvfold_triton_pages (decode) in the GPU page layout vLLM keeps an aligned bits layer in (pages of "
-                  f"{PAGE} tokens)"],
+                  f"{PAGE} tokens); kvfold_triton_pages_window: the same cache as a windowed layer's (16 sinks and a "
+                  "64-token window whole in a ring, the rest from the pages), the step as vLLM's backend runs it"],
     }
 
 
@@ -332,7 +354,8 @@ def draw(report: dict, path: Path) -> None:
         rows = [r for r in report["rows"] if r["kind"] == kind]
         longest = max(r["context" if kind == "decode" else "tokens"] for r in rows)
         for method, marker in (("kvfold_triton", "o"), ("kvfold_triton_balanced", "^"), ("kvfold_torch", "s"),
-                               ("kvfold_triton_bits", "D")):
+                               ("kvfold_triton_bits", "D"), ("kvfold_triton_pages", "P"),
+                               ("kvfold_triton_pages_window", "X")):
             pts = [(r["p"], r[f"{method}_ratio"], r) for r in rows if f"{method}_ratio" in r
                    and r["context" if kind == "decode" else "tokens"] == longest]
             if pts:

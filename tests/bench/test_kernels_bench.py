@@ -58,4 +58,5 @@ def test_a_smoke_run_writes_json_and_png(tiny_dirs, tmp_path):
     assert len(bits) == 4 and all(r["kvfold_triton_bits_us"] > 0 for r in bits)  # decode and prefill, 2 layers
     # both bits layers have 16-dim bands: their decode also runs over the GPU page layout
     assert all(r["kvfold_triton_pages_us"] > 0 for r in bits if r["kind"] == "decode")
+    assert all(r["kvfold_triton_pages_window_us"] > 0 for r in bits if r["kind"] == "decode")
     assert {r["kind"] for r in report["rows"]} == {"decode", "prefill"}
