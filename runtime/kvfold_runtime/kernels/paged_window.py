@@ -90,8 +90,8 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     pages = isinstance(codec, BandPages) and paged_kernels_for(query, codec) == "triton"
     if decoding and pages:
         _page_decodes(query, key, value, kv, ring, ring_blocks, block_table, seq_lens, torch.tensor(decoding),
-                      torch.tensor([starts[r] for r in decoding]), codec, scaling=scaling, sinks=sinks, window=window,
-                      out=out)
+                      torch.tensor([starts[r] for r in decoding]), max(lens[r] for r in decoding), codec,
+                      scaling=scaling, sinks=sinks, window=window, out=out)
     elif decoding:
         rows_kv, rows_codec = (codec.as_rows(kv), BandRows(dims)) if isinstance(codec, BandPages) else (kv, codec)
         blocks = rows_kv.reshape(rows_kv.shape[0], -1, rows_kv.shape[-1])
@@ -162,10 +162,10 @@ def _request_rows(kv: torch.Tensor, table_row: torch.Tensor, s: int, codec: Band
 
 def _page_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor,
                   ring_blocks: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, decoding: torch.Tensor,
-                  rows: torch.Tensor, codec: BandPages, *, scaling: float, sinks: int, window: int,
+                  rows: torch.Tensor, longest: int, codec: BandPages, *, scaling: float, sinks: int, window: int,
                   out: torch.Tensor) -> None:
-    """The step's one-token requests (`decoding`, their query rows `rows`) over the GPU page layout: their codes
-    part by the page kernel, their whole rows' part (_ring_part), merged."""
+    """The step's one-token requests (`decoding`, their query rows `rows`, the longest `longest` tokens) over the
+    GPU page layout: their codes part by the page kernel, their whole rows' part (_ring_part), merged."""
     from kvfold_runtime.kernels import triton_pages  # imported only where Triton runs
 
     dev, n = query.device, decoding.shape[0]
@@ -174,7 +174,7 @@ def _page_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
     q = query[rows]
     o, lse = triton_pages.history_parts(
         q, kv, block_table[decoding.to(block_table.device)], lens, torch.arange(n + 1, dtype=lens.dtype, device=dev),
-        codec.dims, scaling=scaling, sinks=sinks, window=window, max_query_len=1, max_seq_len=int(lens.max()))
+        codec.dims, scaling=scaling, sinks=sinks, window=window, max_query_len=1, max_seq_len=longest)
     o[:, :, -1], lse[:, :, -1] = _ring_part(q, key[rows], value[rows], ring, ring_blocks[decoding.to(
         ring_blocks.device)], lens.long() - 1, codec.dims, scaling=scaling, sinks=sinks, window=window,
         width=o.shape[-1])
