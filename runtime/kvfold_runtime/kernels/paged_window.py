@@ -132,11 +132,7 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks
     rows.view(-1, rows.shape[-1])[plan.decode_unseen] = 0  # unwritten rows (NaN bytes?): 0 · NaN is NaN
     k, v = codec.decode(rows, query.dtype)  # [N, B·block_size, Σd_k]: row p is position p (no sliding window)
     last = last.to(k.device)
-    slot = torch.arange(sinks + window, device=k.device)[None, :]  # [1, capacity]
-    position = slot.expand(n, -1)
-    if window:  # a window slot holds the latest position p ≤ last with p ≡ slot (mod window) (ring_slots)
-        position = torch.where(slot < sinks, slot, last[:, None] - (last[:, None] - slot).remainder(window))
-    readable = (position < last[:, None]) & ((slot < sinks) | (position >= sinks))
+    position, readable = _ring_positions(last, sinks, window)
     held = ring[ring_blocks.to(ring.device).long()][..., :split + sum(d_v)].to(query.dtype)  # [N, capacity, ·]
     at, where = readable.nonzero().unbind(1)
     k[at, position[at, where]] = held[at, where, :split]
@@ -147,6 +143,16 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks
     v[newest.nonzero()[:, 0], last[newest]] = value[rows[newest]].to(v.dtype)
     out[rows] = packed_decode(query[rows], k, v, plan.decode_valid, d_k, d_v, codec.dims.group,
                               scaling=scaling).to(out.dtype)
+
+
+def _ring_positions(last: torch.Tensor, sinks: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For decodes at positions `last` [N]: the position each ring slot holds [N, capacity], and whether the query
+    reads it from the ring (a sink before it, or an older position of its window past the sinks)."""
+    slot = torch.arange(sinks + window, device=last.device)[None, :]  # [1, capacity]
+    position = slot.expand(last.shape[0], -1)
+    if window:  # a window slot holds the latest position p ≤ last with p ≡ slot (mod window) (ring_slots)
+        position = torch.where(slot < sinks, slot, last[:, None] - (last[:, None] - slot).remainder(window))
+    return position, (position < last[:, None]) & ((slot < sinks) | (position >= sinks))
 
 
 def _request_rows(kv: torch.Tensor, table_row: torch.Tensor, s: int, codec: BandRows) -> torch.Tensor:
@@ -191,11 +197,7 @@ def _ring_part(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, ring: 
     n, f32, group = q.shape[0], torch.float32, dims.group
     d_k, d_v = list(dims.d_k), list(dims.d_v)
     split = sum(d_k)
-    slot = torch.arange(sinks + window, device=q.device)[None, :]  # [1, capacity]
-    position = slot.expand(n, -1)
-    if window:  # a window slot holds the latest position p ≤ last with p ≡ slot (mod window) (ring_slots)
-        position = torch.where(slot < sinks, slot, last[:, None] - (last[:, None] - slot).remainder(window))
-    readable = (position < last[:, None]) & ((slot < sinks) | (position >= sinks))
+    readable = _ring_positions(last, sinks, window)[1]
     own = (last < sinks) | (window > 0)  # the query's own row: whole inside the sinks or the window
     held = ring[ring_blocks.to(ring.device).long()][..., :split + sum(d_v)].to(q.device, f32)  # [N, capacity, ·]
     seen = torch.cat([readable, own[:, None]], 1)[:, None, :]  # [N, 1, capacity + 1]
