@@ -123,3 +123,32 @@ def rerun_in_triton_interpreter(test_file: str, *args: str) -> str:
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert " passed" in summary and "skipped" not in summary, f"not every selected child test ran: {summary!r}"
     return run.stdout
+
+
+# ---- SmolLM2-135M, real weights: what several slow modules share --------------------------------------------------
+# One text calibration and one full-rank export serve test_smollm2.py and the vLLM tests alike: on CI's 2 cores a
+# calibration of 8,192 tokens takes ~35 s and an export ~40 s, and each module used to make its own.
+SMOLLM2_CALIB_TOKENS = 8192
+
+
+@pytest.fixture(scope="session")
+def smollm2_calib(tmp_path_factory) -> Path:
+    """SmolLM2 calibrated on wiki:calib, 8,192 tokens in 512-token windows (the demo's source, a quarter of its
+    default count)."""
+    from kvfold import api
+
+    out = tmp_path_factory.mktemp("smollm2-calib") / "calib"
+    api.calibrate("smollm2", out, text="wiki:calib", tokens=SMOLLM2_CALIB_TOKENS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_full_export(smollm2_calib, tmp_path_factory) -> Path:
+    """A full-rank export of SmolLM2 (p = 0, every width 64: the rotations folded into the weights, nothing cut),
+    scored on one 512-token window."""
+    from kvfold import api
+    from kvfold.plan.recipe import Recipe
+
+    out = tmp_path_factory.mktemp("smollm2-full") / "export"
+    api.export("smollm2", smollm2_calib, out, Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
+    return out

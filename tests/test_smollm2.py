@@ -83,16 +83,15 @@ def test_bench_calibrate_prints_json(smollm2):
     assert point["tokens"] == 1024 and point["tokens_per_s"] > 0 and point["peak_rss_mib"] > 100
 
 
-def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
-    """The real export path: calibrate on text, export at a compression target, reload the files."""
+def test_export_smollm2_and_reload_from_disk(smollm2, smollm2_calib, tmp_path):
+    """The real export path: calibrated on text, export at a compression target, reload the files."""
     from kvfold.calib.tokens import text_sequences
     from kvfold.measure.evaluate import score_model
     from kvfold.sources.models import load_model, resolve_model
     from tests.reference import load_baked, padded_forward
 
-    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=4096)
     recipe = Recipe(ratio=0.05, eval_tokens=1024, allocation="eq6")  # the files are tested here, not the allocation
-    result = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe)
+    result = api.export("smollm2", smollm2_calib, tmp_path / "o", recipe)
     m = result.manifest
     assert m.chosen.compression >= 0.05 and len(m.extra_tensors) == 90  # 30 layers × (q, k, key shift) post-RoPE
     baked, adapter, manifest = load_baked(tmp_path / "o")
@@ -108,7 +107,7 @@ def test_export_smollm2_and_reload_from_disk(smollm2, tmp_path):
     assert score_model(load_model(ref), windows).top1 == pytest.approx(m.baseline_top1, abs=1e-9)
 
 
-def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, tmp_path):
+def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, smollm2_full_export):
     """Issue 4, acceptance 1 on the real model: through kvfold-runtime, logits within 1e-5 and the
     same greedy generation."""
     import torch
@@ -117,9 +116,7 @@ def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, tmp_
     import kvfold_runtime
     from kvfold.sources.models import load_model, resolve_model
 
-    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=2048)
-    api.export("smollm2", tmp_path / "c", tmp_path / "o", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
-    served = AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.float32).eval()
+    served = AutoModelForCausalLM.from_pretrained(smollm2_full_export, dtype=torch.float32).eval()
     original = load_model(resolve_model("smollm2"))
     ids = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -133,7 +130,7 @@ def test_full_rank_export_served_by_the_runtime_reproduces_smollm2(smollm2, tmp_
                            original.generate(prompt, max_new_tokens=24, do_sample=False))
 
 
-def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
+def test_export_at_99_verifies_on_heldout_text(smollm2, smollm2_calib, tmp_path):
     """Issues 4, 12, 13 and 14 — the demo's path: calibrate on wiki:calib, export at 0.99 with the default joint
     target searched on the default wiki:dev+pydoc:dev, then `kvfold verify --json` on its two default
     held-out texts, wiki:eval and pydoc:eval, which neither step has read, and the pass keys. Every check
@@ -142,13 +139,13 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     before the target had to hold on each text alone). The pass keys are required: export chooses the most
     compressed passing point that keeps the original's keys (plan/longrange.py); before it did, this export
     kept 2 of the original's 6 at 1,024 tokens (2026-11-25, sensitivity allocation, the default then). To fit
-    CI (2 cores) the search and verify score 4,096 tokens instead of 16,384 and the pass keys are checked at
-    1,024 tokens instead of 4,096: the standard errors double, and the target must hold on each text alone
-    (4 windows each, 1-se margin per text), so the search picks a milder point than the full defaults; and it
-    bisects 4 times, not 8 (5 candidates of ~13 s, not 9)."""
-    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=16384)
-    recipe = Recipe(accuracy=0.99, eval_tokens=4096, passkey=1024, search_steps=4)
-    m = api.export("smollm2", tmp_path / "c", tmp_path / "o", recipe).manifest
+    CI (2 cores) the calibration reads 8,192 tokens instead of 16,384 (the module's shared one), the search and
+    verify score 4,096 tokens instead of 16,384 and the pass keys are checked at 1,024 tokens instead of 4,096: the
+    standard errors double, and the target must hold on each text alone (4 windows each, 1-se margin per text), so
+    the search picks a milder point than the full defaults; and it bisects 3 times, not 8 (4 candidates of ~19 s,
+    not 9)."""
+    recipe = Recipe(accuracy=0.99, eval_tokens=4096, passkey=1024, search_steps=3)
+    m = api.export("smollm2", smollm2_calib, tmp_path / "o", recipe).manifest
     assert m.metric == "joint" and m.eval_text == "wiki:dev+pydoc:dev" and m.accuracy_target().met(m.chosen)
     assert m.chosen.compression > 0  # it compresses
     assert m.passkey["retrieved"] >= m.passkey["original"] and m.passkey["compression"] == m.chosen.compression
@@ -172,11 +169,12 @@ def test_export_at_99_verifies_on_heldout_text(smollm2, tmp_path):
     assert report["kv_bytes_ratio"] == pytest.approx(1 - m.chosen.compression, abs=1e-12)
 
 
-def test_position_averaged_factors_keep_long_context_retrieval(smollm2, tmp_path):
+def test_position_averaged_factors_keep_long_context_retrieval(smollm2, smollm2_calib, tmp_path):
     """factors/positions.py: an export fitted to the calibration's 512-token windows (--context 0)
     loses the pass keys the original retrieves at 1,024 tokens; fitted to every position of the model's 8K
-    context (the default) it keeps them. Measured 2026-11-25 with these options: 0/10 and 8/10 keys, the
-    original 6/10. (The default 0.99 export, before the fix: 1/10 at 4,096 tokens, the original 10/10.)"""
+    context (the default) it keeps them. Measured 2026-12-04 with these options, one prompt per depth: 0/5 and 4/5
+    keys, the original 3/5 (2026-11-25, two per depth: 0/10, 8/10, the original 6/10). (The default 0.99 export,
+    before the fix: 1/10 at 4,096 tokens, the original 10/10.)"""
     from transformers import AutoModelForCausalLM
 
     import kvfold_runtime  # noqa: F401  (registers the KVFold classes)
@@ -184,14 +182,13 @@ def test_position_averaged_factors_keep_long_context_retrieval(smollm2, tmp_path
     from kvfold.sources.models import load_model, resolve_model
     from kvfold.sources.tokenizer import load_tokenizer
 
-    api.calibrate("smollm2", tmp_path / "c", text="wiki:calib", tokens=8192)
-    prompts = passkey_prompts(load_tokenizer(smollm2), 1024)
+    prompts = passkey_prompts(load_tokenizer(smollm2), 1024)[::2]  # one per depth: 3 × 5 forward passes, not 3 × 10
     hits = {"original": sum(passkey_hits(load_model(resolve_model("smollm2")), prompts))}
     for name, context in (("as calibrated", 0), ("averaged", None)):
         # one 512-token window scored: the figures are not what this test reads (16,384 tokens, the default, took
         # ~1 min of CI's time per export)
         recipe = Recipe(ratio=0.02, allocation="eq6", multiple=1, min_rank=0, context=context, eval_tokens=512)
-        m = api.export("smollm2", tmp_path / "c", tmp_path / name, recipe).manifest
+        m = api.export("smollm2", smollm2_calib, tmp_path / name, recipe).manifest
         assert m.positions == (None if context == 0 else 8192)
         served = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).eval()
         hits[name] = sum(passkey_hits(served, prompts))

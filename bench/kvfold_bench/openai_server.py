@@ -25,7 +25,7 @@ from pathlib import Path
 from kvfold.errors import KVFoldError
 from kvfold_bench.engine_log import root_cause
 
-__all__ = ["ask", "ask_server", "serve"]
+__all__ = ["ask", "ask_server", "serve", "serve_all"]
 
 
 def free_port() -> int:
@@ -64,6 +64,35 @@ def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 2
           dtype: str | None = "float32") -> Iterator[str]:
     """Start the server on `model` (`dtype` None: the server's default); yield its base URL once /health answers;
     stop it."""
+    with serve_all({"model": model}, start_timeout, kv_cache_bytes, max_model_len, dtype) as bases:
+        yield bases["model"]
+
+
+@contextlib.contextmanager
+def serve_all(models: dict[str, Path], start_timeout: float = 420, kv_cache_bytes: int = 64 << 20,
+              max_model_len: int = 512, dtype: str | None = "float32") -> Iterator[dict[str, str]]:
+    """Start one server per model, all at once (a server's start is a minute of mostly single-threaded imports and
+    loading, so two start in about the time of one); yield {name: base URL} once every /health answers; stop them
+    all."""
+    with contextlib.ExitStack() as stack:
+        started = {name: stack.enter_context(_started(path, kv_cache_bytes, max_model_len, dtype))
+                   for name, path in models.items()}
+        deadline = time.monotonic() + start_timeout
+        for proc, log, base in started.values():
+            _wait_healthy(proc, log, base, deadline, start_timeout)
+        try:
+            yield {name: base for name, (_, _, base) in started.items()}
+        except urllib.error.HTTPError as e:  # the answer says little; the server's log says why
+            detail = e.read().decode(errors="replace")[:300]
+            logs = " | ".join(root_cause(Path(log).read_text()) for _, log, _ in started.values())
+            raise KVFoldError(f"the vLLM server answered {e.code} ({detail}): {logs}") from e
+
+
+@contextlib.contextmanager
+def _started(model: Path, kv_cache_bytes: int, max_model_len: int,
+             dtype: str | None) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """The server process on `model` (not yet answering), its log file and base URL; stopped and its log removed
+    on exit."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
@@ -71,29 +100,25 @@ def serve(model: Path, start_timeout: float = 420, kv_cache_bytes: int = 64 << 2
            str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_bytes), *_windowed_flags(model)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise KVFoldError("the vLLM server exited: " + root_cause(Path(log.name).read_text()))
-            if time.monotonic() > deadline:
-                raise KVFoldError(f"the vLLM server did not answer /health in {start_timeout:.0f} s")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            time.sleep(2)
-        try:
-            yield base
-        except urllib.error.HTTPError as e:  # the answer says little; the server's log says why
-            detail = e.read().decode(errors="replace")[:300]
-            raise KVFoldError(f"the vLLM server answered {e.code} ({detail}): "
-                              + root_cause(Path(log.name).read_text())) from e
+        yield proc, log.name, f"http://127.0.0.1:{port}"
     finally:
         _stop(proc)
         log.close()
         os.unlink(log.name)
+
+
+def _wait_healthy(proc: subprocess.Popen, log: str, base: str, deadline: float, start_timeout: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise KVFoldError("the vLLM server exited: " + root_cause(Path(log).read_text()))
+        if time.monotonic() > deadline:
+            raise KVFoldError(f"the vLLM server did not answer /health in {start_timeout:.0f} s")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        time.sleep(2)
 
 
 def ask(base: str, model: str, route: str, body: dict, timeout: float = 300) -> dict:

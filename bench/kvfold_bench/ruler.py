@@ -1,10 +1,10 @@
 """RULER through lm-eval (issue 51, item 3): an export and its original judged by a harness nobody here wrote, on
 RULER's synthetic long-context tasks, served as a user serves them.
 
-Each model is started as `vllm serve MODEL` starts it (vLLM's OpenAI server, the server's default dtype; the
-export through kvfold-runtime's plugin) with a context of the longest length, and lm-eval 0.4's
-`local-completions` model sends it every task's prompts (greedy, RULER's own generation lengths). Only the tasks
-whose haystacks need no download run offline: niah_single_1 (noise haystack), niah_multikey_2/3 (haystacks of
+Both models are started at once, each as `vllm serve MODEL` starts it (vLLM's OpenAI server, the server's default
+dtype; the export through kvfold-runtime's plugin) with a context of the longest length, and lm-eval 0.4's
+`local-completions` model sends each in turn every task's prompts (greedy, RULER's own generation lengths). Only
+the tasks whose haystacks need no download run offline: niah_single_1 (noise haystack), niah_multikey_2/3 (haystacks of
 keys), ruler_vt, ruler_cwe, ruler_fwe; the essay-haystack ones load a Hub dataset. A task's samples are RULER's
 own (lm-eval generates 500 per length from the model's tokenizer; the first `samples` are scored).
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold_bench.openai_server import serve
+from kvfold_bench.openai_server import serve_all
 from kvfold_bench.outputs import write_outputs
 
 __all__ = ["OFFLINE_TASKS", "ruler"]
@@ -36,15 +36,17 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
         raise KVFoldError(f"--task {', '.join(unknown)}: choose from the RULER tasks that run offline: "
                           f"{', '.join(OFFLINE_TASKS)}")
     report = _resumed(json_path, export, original, samples)
-    for name, path in (("original", original), ("export", export)):
-        todo = [(t, n) for t in tasks for n in lengths
-                if str(n) not in report["scores"].get(name, {}).get(t, {})]
-        if not todo:
-            continue
-        with serve(path, dtype=None, max_model_len=max(lengths), kv_cache_bytes=kv_cache_mib << 20) as base:
-            for task, n in todo:
+    models = {"original": original, "export": export}
+    todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
+            for name in models}
+    serving = {name: path for name, path in models.items() if todo[name]}
+    if not serving:
+        return report
+    with serve_all(serving, dtype=None, max_model_len=max(lengths), kv_cache_bytes=kv_cache_mib << 20) as bases:
+        for name, base in bases.items():
+            for task, n in todo[name]:
                 t0 = time.perf_counter()
-                score = _evaluate(base, path, task, n, samples)
+                score = _evaluate(base, models[name], task, n, samples)
                 cell = {"score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 1)}
                 report["scores"].setdefault(name, {}).setdefault(task, {})[str(n)] = cell
                 report["points"] = _points(report["scores"])

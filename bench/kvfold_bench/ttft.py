@@ -2,7 +2,7 @@
 prefill is what a user feels as time to first token, and on a CPU the export's prefill runs kvfold's attention
 where the original runs vLLM's own CPU kernel).
 
-Both servers run at once, as `vllm serve MODEL` starts them (the server's default dtype and attention backend:
+Both servers start and run at once, as `vllm serve MODEL` starts them (the server's default dtype and attention backend:
 the original's vLLM's own, the export's kvfold's plugin), with a context long enough for the longest prompt. Each
 request is one completion of `max_tokens=1` (greedy) whose prompt is a window of real text given as token ids,
 every window different, so vLLM's prefix cache never holds a prompt's first block: its latency is the prefill of
@@ -12,13 +12,12 @@ a load that drifts on a busy machine falls on both alike; one short request each
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold_bench.openai_server import ask, serve
+from kvfold_bench.openai_server import ask, serve_all
 
 __all__ = ["ttft"]
 
@@ -48,10 +47,7 @@ def ttft(export: Path, original: Path, lengths: list[int], requests: int, text: 
     warm = prompts[lengths[0]][0][-WARMUP_TOKENS:]  # a window's tail: no prompt starts with it (prefix cache)
     seconds: dict[int, dict[str, list[float]]] = {n: {name: [] for name in names} for n in lengths}
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        bases = {name: stack.enter_context(serve(path, dtype=None, max_model_len=max(lengths) + 1,
-                                                 kv_cache_bytes=kv_cache_mib << 20))
-                 for name, path in names.items()}
+    with serve_all(names, dtype=None, max_model_len=max(lengths) + 1, kv_cache_bytes=kv_cache_mib << 20) as bases:
         started = time.perf_counter()
         for name, base in bases.items():
             _complete(base, str(names[name]), warm)

@@ -223,21 +223,20 @@ def test_a_bad_export_is_refused_with_one_clear_line(tiny_exports, tiny_bits_exp
 # ---- SmolLM2-135M, real weights: the acceptance of the vLLM issue --------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2_exports(tmp_path_factory):
-    """The original, a full-rank export, one at p ≈ 0.1 with every width free (--multiple 1) and a bits-format
-    export (the plain cache, no window; accuracy 0.97 on one 512-token window, so no margin, and no pass-key check:
-    quick)."""
+def smollm2_exports(smollm2_calib, smollm2_full_export, tmp_path_factory):
+    """The original, the shared full-rank export, one at p ≈ 0.1 with every width free (--multiple 1) and a
+    bits-format export (the plain cache, no window; accuracy 0.97 on one 512-token window, so no margin, and no
+    pass-key check: quick), all from the shared calibration (tests/conftest.py)."""
     from kvfold import api
     from kvfold.plan.recipe import Recipe
     from kvfold.sources.models import resolve_model
 
     with module_dir(tmp_path_factory, "smollm2-vllm") as root:
-        api.calibrate("smollm2", root / "c", text="wiki:calib", tokens=2048)
-        api.export("smollm2", root / "c", root / "full", Recipe(ratio=0.0, multiple=1, min_rank=64, eval_tokens=512))
-        m = api.export("smollm2", root / "c", root / "p10", Recipe(ratio=0.10, multiple=1, eval_tokens=512)).manifest
-        api.export("smollm2", root / "c", root / "bits", Recipe(format="bits", accuracy=0.97, eval_tokens=512,
-                                                                margin=0, passkey=0, sinks=0, window=0))
-        yield {"orig": resolve_model("smollm2").path, "full": root / "full", "p10": root / "p10",
+        c = smollm2_calib
+        m = api.export("smollm2", c, root / "p10", Recipe(ratio=0.10, multiple=1, eval_tokens=512)).manifest
+        api.export("smollm2", c, root / "bits", Recipe(format="bits", accuracy=0.97, eval_tokens=512, margin=0,
+                                                       passkey=0, sinks=0, window=0))
+        yield {"orig": resolve_model("smollm2").path, "full": smollm2_full_export, "p10": root / "p10",
                "bits": root / "bits", "p": m.chosen.compression}
 
 
