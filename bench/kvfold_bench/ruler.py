@@ -58,13 +58,20 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
 def _evaluate(base: str, model: Path, task: str, length: int, samples: int) -> float:
     """lm-eval's score of one task at one length through the server at `base`."""
     import lm_eval
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
 
     args = {"base_url": f"{base}/v1/completions", "model": str(model), "tokenizer": str(model),
             "tokenizer_backend": "huggingface", "tokenized_requests": False, "max_length": length,
             "num_concurrent": 1, "max_retries": 1, "timeout": 3600}
+    metadata = {"max_seq_lengths": [length], "tokenizer": str(model)}
+    # lm-eval's default TaskManager parses all of its ~14,000 task YAML files (25 s a call on a 2-core CPU): index
+    # RULER's folder only, with the metadata simple_evaluate would give it (the model's arguments and ours)
+    ruler_dir = Path(lm_eval.tasks.__file__).parent / "ruler"
+    manager = TaskManager(include_path=str(ruler_dir), include_defaults=False, metadata=args | metadata) \
+        if ruler_dir.is_dir() else None
     out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task], limit=samples,
-                                  metadata={"max_seq_lengths": [length], "tokenizer": str(model)},
-                                  log_samples=False, bootstrap_iters=0)
+                                  metadata=metadata, task_manager=manager, log_samples=False, bootstrap_iters=0)
     value = out["results"][task].get(f"{length},none")
     if not isinstance(value, (int, float)):
         raise KVFoldError(f"lm-eval gave no {length}-token score for {task}: {out['results'][task]}")

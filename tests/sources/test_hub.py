@@ -145,10 +145,11 @@ def test_smollm2_under_its_hub_id(tmp_path, monkeypatch):
     model, calib, out = "HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "calib", tmp_path / "out"
     result = run("calibrate", model, "-o", calib, "--tokens", 2048, "--text", "wiki:calib")
     assert result.exit_code == 0, result.output
-    result = run("export", model, "--calib", calib, "--ratio", 0.3, "--eval-tokens", 1024, "-o", out)
+    # one 512-token window scored by export and verify: the Hub path is tested here, not the figures
+    result = run("export", model, "--calib", calib, "--ratio", 0.3, "--eval-tokens", 512, "-o", out)
     assert result.exit_code == 0, result.output
     assert Manifest.load(out).source.hub_id == model
-    done = run("verify", out, "--eval-text", "wiki:eval", "--eval-tokens", 1024, "--passkey", 0, "--json")
+    done = run("verify", out, "--eval-text", "wiki:eval", "--eval-tokens", 512, "--passkey", 0, "--json")
     assert done.exit_code in (0, 1), done.output  # 1: a 0.3 export may miss a check; the run itself must work
     assert json.loads(done.stdout)["against"].endswith(f"snapshots/{COMMIT}")
 
