@@ -193,12 +193,10 @@ def _pages_split(query, kv, block_table, seq_lens, query_start_loc, d_k, d_v, gr
         triton_pages.paged_pages_attention(
             query[:t0], kv, block_table[:n], seq_lens[:n].to(dev), query_start_loc[:n + 1].to(dev), codec.dims,
             scaling=scaling, sliding_window=sliding_window, out=out[:t0], max_query_len=1, max_seq_len=max_seq_len)
-    layout, pages = codec.layout, kv.reshape(kv.shape[0], -1)
     rows_codec = BandRows(codec.dims)
     for r, first, t, s in split.prefills:
-        blocks = -(-s // layout.page)
-        rows = layout.to_rows(pages.index_select(0, block_table[r, :blocks].long()))  # [blocks, P, C]
-        paged_attention(query[first:first + t], rows, torch.arange(blocks, device=dev)[None], torch.tensor([s]),
+        rows = codec.request_rows(kv, block_table[r], s)  # [blocks, P, C]
+        paged_attention(query[first:first + t], rows, torch.arange(rows.shape[0], device=dev)[None], torch.tensor([s]),
                         torch.tensor([0, t]), d_k, d_v, group, scaling=scaling, sliding_window=sliding_window,
                         out=out[first:first + t], codec=rows_codec)
     return out

@@ -127,6 +127,12 @@ class BandPages(BandRows):
         blocks = kv.reshape(kv.shape[0], -1)
         return self.layout.to_rows(blocks).reshape(kv.shape)
 
+    def request_rows(self, kv: torch.Tensor, table_row: torch.Tensor, s: int) -> torch.Tensor:
+        """The rows [blocks, P, C] of one request's blocks that hold its first s positions (its block-table row
+        `table_row`), turned back from pages: a copy of that request's pages only, never the whole cache."""
+        blocks = -(-s // self.page)
+        return self.layout.to_rows(kv.reshape(kv.shape[0], -1).index_select(0, table_row[:blocks].long()))
+
 
 def row_codec(dims: LayerDims, fp8: torch.dtype | None = None, k_scale: float = 1.0,
               v_scale: float = 1.0, page: int | None = None) -> NumberRows | BandRows:

@@ -159,10 +159,7 @@ def _request_rows(kv: torch.Tensor, table_row: torch.Tensor, s: int, codec: Band
     """The rows [s, C] of one request's first s positions: its own blocks only (pages turned back into rows in the
     page layout)."""
     if isinstance(codec, BandPages):
-        layout = codec.layout
-        count = -(-s // layout.page)
-        pages = kv.reshape(kv.shape[0], -1).index_select(0, table_row[:count].long())
-        return layout.to_rows(pages).reshape(-1, layout.row_bytes)[:s]
+        return codec.request_rows(kv, table_row, s).reshape(-1, codec.layout.row_bytes)[:s]
     return _gather(kv.reshape(kv.shape[0], -1, kv.shape[-1]), table_row, 0, s)
 
 
