@@ -59,7 +59,6 @@ def _evaluate(base: str, model: Path, task: str, length: int, samples: int) -> f
     """lm-eval's score of one task at one length through the server at `base`."""
     import lm_eval
     import lm_eval.tasks
-    from lm_eval.tasks import TaskManager
 
     args = {"base_url": f"{base}/v1/completions", "model": str(model), "tokenizer": str(model),
             "tokenizer_backend": "huggingface", "tokenized_requests": False, "max_length": length,
@@ -68,7 +67,7 @@ def _evaluate(base: str, model: Path, task: str, length: int, samples: int) -> f
     # lm-eval's default TaskManager parses all of its ~14,000 task YAML files (25 s a call on a 2-core CPU): index
     # RULER's folder only, with the metadata simple_evaluate would give it (the model's arguments and ours)
     ruler_dir = Path(lm_eval.tasks.__file__).parent / "ruler"
-    manager = TaskManager(include_path=str(ruler_dir), include_defaults=False, metadata=args | metadata) \
+    manager = lm_eval.tasks.TaskManager(include_path=str(ruler_dir), include_defaults=False, metadata=args | metadata) \
         if ruler_dir.is_dir() else None
     out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task], limit=samples,
                                   metadata=metadata, task_manager=manager, log_samples=False, bootstrap_iters=0)
