@@ -37,6 +37,18 @@ def _at_least_1(*flags: tuple[str, int]) -> None:
             raise KVFoldError(f"{flag} must be at least 1, got {value}")
 
 
+SERVER_DTYPE_HELP = ("vLLM's --dtype for both servers: auto (the server's default, as `vllm serve` runs them), "
+                     "float32, bfloat16 or float16 (float32 on a CPU without native bfloat16, where auto's "
+                     "bfloat16 runs several times slower).")
+
+
+def _server_dtype(dtype: str) -> str | None:
+    """--dtype as openai_server.serve_all takes it (None: the server's default)."""
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise KVFoldError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return None if dtype == "auto" else dtype
+
+
 def _export_lengths(export: Path, lengths: str) -> list[int]:
     """The token counts of --lengths, once `export` is known to be an export."""
     from kvfold_runtime import MANIFEST
@@ -300,6 +312,7 @@ def ttft(
                                          "answer token within the model's context).")] = "4096,8191",
     requests: Annotated[int, typer.Option(help="Requests per length and server (median).")] = 20,
     text: Annotated[str, typer.Option(help="The text the prompts are windows of.")] = "wiki:eval+pysrc:eval",
+    dtype: Annotated[str, typer.Option(help=SERVER_DTYPE_HELP)] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here [stdout].")] = None,
 ) -> None:
     """Time to first token through vLLM's OpenAI server: the export and its original served at once, taking turns,
@@ -311,8 +324,10 @@ def ttft(
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         _at_least_1(("--requests", requests))
+        server_dtype = _server_dtype(dtype)
         sizes = _export_lengths(export, lengths)
-        report = bench_ttft(export, Path(Manifest.load(export).source.path), sizes, requests, text)
+        report = bench_ttft(export, Path(Manifest.load(export).source.path), sizes, requests, text,
+                            dtype=server_dtype)
         write_outputs(report, json_out, None, None)
     print(json.dumps(report, indent=2))
 
@@ -326,6 +341,7 @@ def ruler(
     lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated (within the model's "
                                          "context).")] = "4096",
     samples: Annotated[int, typer.Option(help="Samples per task and length (RULER's own, the first N).")] = 20,
+    dtype: Annotated[str, typer.Option(help=SERVER_DTYPE_HELP)] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here, and resume from it when it "
                                                   "holds part of the same run [stdout].")] = None,
 ) -> None:
@@ -339,11 +355,12 @@ def ruler(
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         _at_least_1(("--samples", samples))
+        server_dtype = _server_dtype(dtype)
         sizes = _export_lengths(export, lengths)
         if json_out is not None:
             check_paths(json_out)
         report = bench_ruler(export, Path(Manifest.load(export).source.path), list(task or OFFLINE_TASKS), sizes,
-                             samples, json_out)
+                             samples, json_out, dtype=server_dtype)
     print(json.dumps(report, indent=2))
 
 

@@ -2,11 +2,12 @@
 RULER's synthetic long-context tasks, served as a user serves them.
 
 Both models are started at once, each as `vllm serve MODEL` starts it (vLLM's OpenAI server, the server's default
-dtype; the export through kvfold-runtime's plugin) with a context of the longest length, and lm-eval 0.4's
-`local-completions` model sends each in turn every task's prompts (greedy, RULER's own generation lengths). Only
-the tasks whose haystacks need no download run offline: niah_single_1 (noise haystack), niah_multikey_2/3 (haystacks of
-keys), ruler_vt, ruler_cwe, ruler_fwe; the essay-haystack ones load a Hub dataset. A task's samples are RULER's
-own (lm-eval generates 500 per length from the model's tokenizer; the first `samples` are scored).
+dtype unless --dtype names one; the export through kvfold-runtime's plugin) with a context of the longest length,
+and lm-eval 0.4's `local-completions` model sends each in turn every task's prompts (greedy, RULER's own generation
+lengths). Only the tasks whose haystacks need no download run offline: niah_single_1 (noise haystack),
+niah_multikey_2/3 (haystacks of keys), ruler_vt, ruler_cwe, ruler_fwe; the essay-haystack ones load a Hub dataset. A
+task's samples are RULER's own (lm-eval generates 500 per length from the model's tokenizer; the first `samples` are
+scored).
 
 On a CPU a request takes seconds to tens of seconds, so the JSON is resumable: a re-run with the same JSON skips
 every (model, task, length) it already holds at that many samples, and writes after each one (atomically).
@@ -28,21 +29,21 @@ OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_v
 
 
 def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], samples: int,
-          json_path: Path | None, kv_cache_mib: int = 1024) -> dict:
+          json_path: Path | None, kv_cache_mib: int = 1024, dtype: str | None = None) -> dict:
     """Per model (original, export), task and length: RULER's score (the share of expected strings found, lm-eval's
-    own metric) over the first `samples` samples."""
+    own metric) over the first `samples` samples, both served in vLLM's `dtype` (None: the server's default)."""
     unknown = [t for t in tasks if t not in OFFLINE_TASKS]
     if unknown:
         raise KVFoldError(f"--task {', '.join(unknown)}: choose from the RULER tasks that run offline: "
                           f"{', '.join(OFFLINE_TASKS)}")
-    report = _resumed(json_path, export, original, samples)
+    report = _resumed(json_path, export, original, samples, dtype or "the server's default")
     models = {"original": original, "export": export}
     todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
             for name in models}
     serving = {name: path for name, path in models.items() if todo[name]}
     if not serving:
         return report
-    with serve_all(serving, dtype=None, max_model_len=max(lengths), kv_cache_bytes=kv_cache_mib << 20) as bases:
+    with serve_all(serving, dtype=dtype, max_model_len=max(lengths), kv_cache_bytes=kv_cache_mib << 20) as bases:
         for name, base in bases.items():
             for task, n in todo[name]:
                 t0 = time.perf_counter()
@@ -89,16 +90,16 @@ def _points(scores: dict) -> list[dict]:
     return rows
 
 
-def _resumed(json_path: Path | None, export: Path, original: Path, samples: int) -> dict:
-    """The JSON to extend (the same export, original and sample count), or a new one."""
-    fresh = {"benchmark": "ruler", "harness": "lm-eval local-completions through vllm.entrypoints.openai.api_server "
-             "(dtype: the server's default)", "export": str(export), "original": str(original),
-             "samples": samples, "scores": {}, "points": []}
+def _resumed(json_path: Path | None, export: Path, original: Path, samples: int, dtype: str) -> dict:
+    """The JSON to extend (the same export, original, sample count and dtype), or a new one."""
+    fresh = {"benchmark": "ruler", "harness": "lm-eval local-completions through vllm.entrypoints.openai.api_server",
+             "dtype": dtype, "export": str(export), "original": str(original), "samples": samples, "scores": {},
+             "points": []}
     if json_path is None or not json_path.is_file():
         return fresh
     old = json.loads(json_path.read_text())
-    if (old.get("benchmark"), old.get("export"), old.get("original"), old.get("samples")) != \
-            ("ruler", str(export), str(original), samples):
-        raise KVFoldError(f"{json_path} holds another run (export, original or --samples differ): give another --json "
-                          "to start one")
+    if (old.get("benchmark"), old.get("export"), old.get("original"), old.get("samples"),
+            old.get("dtype", "the server's default")) != ("ruler", str(export), str(original), samples, dtype):
+        raise KVFoldError(f"{json_path} holds another run (export, original, --samples or --dtype differ): give "
+                          "another --json to start one")
     return old

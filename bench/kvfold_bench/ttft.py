@@ -39,15 +39,15 @@ def _prompts(tokenizer_path: Path, text: str, length: int, count: int, seed: int
 
 
 def ttft(export: Path, original: Path, lengths: list[int], requests: int, text: str = "wiki:eval+pysrc:eval",
-         kv_cache_mib: int = 1024) -> dict:
+         kv_cache_mib: int = 1024, dtype: str | None = None) -> dict:
     """Per prompt length: each server's seconds per request, their medians and the export's ratio to the
-    original's."""
+    original's; both servers in vLLM's `dtype` (None: the server's default)."""
     names = {"original": original, "export": export}
     prompts = {n: _prompts(export, text, n, requests, seed=n) for n in lengths}
     warm = prompts[lengths[0]][0][-WARMUP_TOKENS:]  # a window's tail: no prompt starts with it (prefix cache)
     seconds: dict[int, dict[str, list[float]]] = {n: {name: [] for name in names} for n in lengths}
     t0 = time.perf_counter()
-    with serve_all(names, dtype=None, max_model_len=max(lengths) + 1, kv_cache_bytes=kv_cache_mib << 20) as bases:
+    with serve_all(names, dtype=dtype, max_model_len=max(lengths) + 1, kv_cache_bytes=kv_cache_mib << 20) as bases:
         started = time.perf_counter()
         for name, base in bases.items():
             _complete(base, str(names[name]), warm)
@@ -63,7 +63,8 @@ def ttft(export: Path, original: Path, lengths: list[int], requests: int, text: 
                      "median_s": {name: round(v, 3) for name, v in med.items()},
                      "ratio": round(med["export"] / med["original"], 3),
                      "seconds": {name: [round(x, 3) for x in s] for name, s in seconds[n].items()}})
-    return {"benchmark": "ttft", "server": "vllm.entrypoints.openai.api_server (dtype: the server's default)",
+    return {"benchmark": "ttft", "server": "vllm.entrypoints.openai.api_server",
+            "dtype": dtype or "the server's default",
             "export": str(export), "original": str(original), "text": text,
             "request": "one /v1/completions of max_tokens=1, temperature 0, the prompt as token ids",
             "kv_cache_mib": kv_cache_mib, "startup_s": round(started - t0, 1), "points": rows,

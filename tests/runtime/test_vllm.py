@@ -317,29 +317,31 @@ def test_openai_server_answers_completions_and_chat(smollm2_exports):
 def test_ttft_bench_times_both_servers_on_distinct_prompts(smollm2_exports, tmp_path):
     """`kvfold-bench ttft`: the export and its original served at once, each request's prompt a different window
     of real text at the asked length (vLLM counts exactly those tokens), a time per request and server, the ratio
-    of the medians; both servers stopped."""
+    of the medians; both servers stopped. In float32 (the servers' default bfloat16 is several times slower on a CPU
+    without native bfloat16)."""
     from typer.testing import CliRunner
 
     from kvfold_bench.cli import app
 
     out = tmp_path / "ttft.json"
     done = CliRunner().invoke(app, ["ttft", "--export", str(smollm2_exports["p10"]), "--lengths", "200,300",
-                                    "--requests", "2", "--json", str(out)])
+                                    "--requests", "2", "--dtype", "float32", "--json", str(out)])
     assert done.exit_code == 0, done.output
     report = json.loads(out.read_text())
     assert [p["prompt_tokens"] for p in report["points"]] == [200, 300]
     for point in report["points"]:
         assert all(len(s) == 2 and min(s) > 0 for s in point["seconds"].values())
         assert point["ratio"] == pytest.approx(point["median_s"]["export"] / point["median_s"]["original"], rel=0.01)
-    assert report["original"].endswith("SmolLM2-135M-Instruct")
+    assert report["original"].endswith("SmolLM2-135M-Instruct") and report["dtype"] == "float32"
 
 
 @pytest.mark.slow
 def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_exports, tmp_path):
     """`kvfold-bench ruler` (issue 51): lm-eval's RULER niah_single_1 on the original and the export, each served
-    by vLLM's OpenAI server (both started at once; one sample each, ~30 s a request on CI's CPU), a score per model,
-    task and length with the difference in points; a re-run on the
-    same JSON starts no server and changes nothing; another sample count is refused for that JSON."""
+    by vLLM's OpenAI server (both started at once, in float32: on a CPU without native bfloat16 the servers' default
+    bfloat16 took ~30 s a request; one sample each), a score per model, task and length with the difference in
+    points; a re-run on the same JSON starts no server and changes nothing; another sample count or dtype is refused
+    for that JSON."""
     import time
 
     from typer.testing import CliRunner
@@ -348,7 +350,7 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
 
     out = tmp_path / "ruler.json"
     args = ["ruler", "--export", str(smollm2_exports["p10"]), "--task", "niah_single_1", "--lengths", "1024",
-            "--samples", "1", "--json", str(out)]
+            "--dtype", "float32", "--samples", "1", "--json", str(out)]
     done = CliRunner().invoke(app, args)
     assert done.exit_code == 0, done.output
     report = json.loads(out.read_text())
@@ -363,6 +365,8 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
     assert time.perf_counter() - t < 60  # no server started
     other = CliRunner().invoke(app, [*args[:-3], "2", "--json", str(out)])
     assert other.exit_code == 2 and "holds another run" in other.output
+    auto = CliRunner().invoke(app, [a for a in args if a not in ("--dtype", "float32")])
+    assert auto.exit_code == 2 and "holds another run" in auto.output
 
 
 @pytest.mark.slow
