@@ -114,8 +114,9 @@ def rerun_in_triton_interpreter(test_file: str, *args: str) -> str:
     from pathlib import Path
 
     root = Path(__file__).parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(test_file).relative_to(root)),
-           *args]
+    # tests/interpreter_speedup.py: the interpreter without its redundant re-patching of triton.language
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.interpreter_speedup",
+           str(Path(test_file).relative_to(root)), *args]
     run = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
