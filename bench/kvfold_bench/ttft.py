@@ -2,8 +2,9 @@
 prefill is what a user feels as time to first token, and on a CPU the export's prefill runs kvfold's attention
 where the original runs vLLM's own CPU kernel).
 
-Both servers start and run at once, as `vllm serve MODEL` starts them (the server's default dtype and attention backend:
-the original's vLLM's own, the export's kvfold's plugin), with a context long enough for the longest prompt. Each
+Both servers start and run at once, as `vllm serve MODEL` starts them (the server's default dtype unless --dtype names
+one; the attention backend: the original's vLLM's own, the export's kvfold's plugin), with a context long enough for
+the longest prompt. Each
 request is one completion of `max_tokens=1` (greedy) whose prompt is a window of real text given as token ids,
 every window different, so vLLM's prefix cache never holds a prompt's first block: its latency is the prefill of
 the whole prompt plus one sampled token. The servers take turns request by request (their order alternating), so
