@@ -37,9 +37,8 @@ def _at_least_1(*flags: tuple[str, int]) -> None:
             raise KVFoldError(f"{flag} must be at least 1, got {value}")
 
 
-SERVER_DTYPE_HELP = ("vLLM's --dtype for both servers: auto (the server's default, as `vllm serve` runs them), "
-                     "float32, bfloat16 or float16 (float32 on a CPU without native bfloat16, where auto's "
-                     "bfloat16 runs several times slower).")
+SERVER_DTYPE_HELP = ("vLLM's --dtype for both servers: auto (the server's default), float32, bfloat16 or float16 "
+                     "(float32 on a CPU without native bfloat16, where bfloat16 runs several times slower).")
 
 
 def _server_dtype(dtype: str) -> str | None:
@@ -326,8 +325,7 @@ def ttft(
         _at_least_1(("--requests", requests))
         server_dtype = _server_dtype(dtype)
         sizes = _export_lengths(export, lengths)
-        report = bench_ttft(export, Path(Manifest.load(export).source.path), sizes, requests, text,
-                            dtype=server_dtype)
+        report = bench_ttft(export, Path(Manifest.load(export).source.path), sizes, requests, text, dtype=server_dtype)
         write_outputs(report, json_out, None, None)
     print(json.dumps(report, indent=2))
 

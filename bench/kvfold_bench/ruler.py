@@ -25,6 +25,7 @@ from kvfold_bench.outputs import write_outputs
 
 __all__ = ["OFFLINE_TASKS", "ruler"]
 
+SERVER_DEFAULT = "the server's default"  # the JSON's dtype where --dtype is auto
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 
 
@@ -36,7 +37,7 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
     if unknown:
         raise KVFoldError(f"--task {', '.join(unknown)}: choose from the RULER tasks that run offline: "
                           f"{', '.join(OFFLINE_TASKS)}")
-    report = _resumed(json_path, export, original, samples, dtype or "the server's default")
+    report = _resumed(json_path, export, original, samples, dtype or SERVER_DEFAULT)
     models = {"original": original, "export": export}
     todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
             for name in models}
@@ -99,7 +100,7 @@ def _resumed(json_path: Path | None, export: Path, original: Path, samples: int,
         return fresh
     old = json.loads(json_path.read_text())
     if (old.get("benchmark"), old.get("export"), old.get("original"), old.get("samples"),
-            old.get("dtype", "the server's default")) != ("ruler", str(export), str(original), samples, dtype):
+            old.get("dtype", SERVER_DEFAULT)) != ("ruler", str(export), str(original), samples, dtype):
         raise KVFoldError(f"{json_path} holds another run (export, original, --samples or --dtype differ): give "
                           "another --json to start one")
     return old

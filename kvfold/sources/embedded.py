@@ -1,8 +1,8 @@
 """The models kvfold builds from PyPI packages: SmolLM2-135M-Instruct (the embedded default, one GGUF file in
 one package) and Qwen2.5-Coder-1.5B-Instruct (a head_dim-128 model, one GGUF split over 22 packages).
 
-Converting a GGUF takes from ~20 s (SmolLM2) to minutes (Qwen), so it is done once into a plain safetensors
-folder under the cache ($KVFOLD_CACHE, default ~/.cache/kvfold); later loads take a fraction of a second.
+Converting a GGUF takes from ~45 s (SmolLM2) to ~2 minutes (Qwen) on 2 cores, so it is done once into a plain
+safetensors folder under the cache ($KVFOLD_CACHE, default ~/.cache/kvfold); later loads take a fraction of a second.
 
 `smollm2-mha` is the same model without grouped-query attention: every KV head repeated for each query
 head of its group (9 KV heads instead of 3). Its logits are the original's; it shows what kvfold does
@@ -143,7 +143,8 @@ def _convert_gguf(src: Path, gguf_file: str, out: Path, dtype: str = "float32") 
 
     # Each transformers GGUF loader parses the file's metadata anew (gguf-py, one core: ~32 s for Qwen's 151,936
     # tokens and merges), for the config, the weights and the tokenizer: the tokenizer is converted in a process of
-    # its own meanwhile (spawned: a fork would copy this process's OpenMP threads' state), ~45 s less for Qwen.
+    # its own meanwhile (spawned: a fork would copy this process's OpenMP threads' state). Qwen on 2 cores: 114 s
+    # against 133 s one after the other; SmolLM2 44 s against 48.
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         tokenizer = pool.submit(_save_gguf_tokenizer, src, gguf_file, out)
         # transformers loads GGUF as a "quantized" model it refuses to save; rebuild a plain model from the
