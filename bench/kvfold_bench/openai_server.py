@@ -25,7 +25,9 @@ from pathlib import Path
 from kvfold.errors import KVFoldError
 from kvfold_bench.engine_log import root_cause
 
-__all__ = ["ask", "ask_server", "serve", "serve_all"]
+__all__ = ["SERVER_DEFAULT", "ask", "ask_server", "serve", "serve_all"]
+
+SERVER_DEFAULT = "the server's default"  # how a bench's JSON names serve_all's dtype None
 
 
 def free_port() -> int:

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold_bench.openai_server import serve_all
+from kvfold_bench.openai_server import SERVER_DEFAULT, serve_all
 from kvfold_bench.outputs import write_outputs
 
 __all__ = ["OFFLINE_TASKS", "ruler"]
 
-SERVER_DEFAULT = "the server's default"  # the JSON's dtype where --dtype is auto
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 
 

@@ -2,13 +2,13 @@
 prefill is what a user feels as time to first token, and on a CPU the export's prefill runs kvfold's attention
 where the original runs vLLM's own CPU kernel).
 
-Both servers start and run at once, as `vllm serve MODEL` starts them (the server's default dtype unless --dtype names
-one; the attention backend: the original's vLLM's own, the export's kvfold's plugin), with a context long enough for
-the longest prompt. Each
-request is one completion of `max_tokens=1` (greedy) whose prompt is a window of real text given as token ids,
-every window different, so vLLM's prefix cache never holds a prompt's first block: its latency is the prefill of
-the whole prompt plus one sampled token. The servers take turns request by request (their order alternating), so
-a load that drifts on a busy machine falls on both alike; one short request each warms them up first.
+Both servers start and run at once, as `vllm serve MODEL` starts them (the server's default dtype unless --dtype
+names one; the attention backend: the original's vLLM's own, the export's kvfold's plugin), with a context long
+enough for the longest prompt. Each request is one completion of `max_tokens=1` (greedy) whose prompt is a window of
+real text given as token ids, every window different, so vLLM's prefix cache never holds a prompt's first block: its
+latency is the prefill of the whole prompt plus one sampled token. The servers take turns request by request (their
+order alternating), so a load that drifts on a busy machine falls on both alike; one short request each warms them
+up first.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
-from kvfold_bench.openai_server import ask, serve_all
+from kvfold_bench.openai_server import SERVER_DEFAULT, ask, serve_all
 
 __all__ = ["ttft"]
 
@@ -65,7 +65,7 @@ def ttft(export: Path, original: Path, lengths: list[int], requests: int, text: 
                      "ratio": round(med["export"] / med["original"], 3),
                      "seconds": {name: [round(x, 3) for x in s] for name, s in seconds[n].items()}})
     return {"benchmark": "ttft", "server": "vllm.entrypoints.openai.api_server",
-            "dtype": dtype or "the server's default",
+            "dtype": dtype or SERVER_DEFAULT,
             "export": str(export), "original": str(original), "text": text,
             "request": "one /v1/completions of max_tokens=1, temperature 0, the prompt as token ids",
             "kv_cache_mib": kv_cache_mib, "startup_s": round(started - t0, 1), "points": rows,
