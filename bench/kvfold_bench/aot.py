@@ -82,8 +82,9 @@ def compile_launch(launch: Launch, arch: int = 90, facts: bool = True):
 
     fn, kwargs = launch.kernel, dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug  # as JITFunction.run
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # as JITFunction.run, where the release has it
+        if hasattr(knobs.compilation, knob):
+            kwargs[knob] = getattr(knobs.compilation, knob)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)

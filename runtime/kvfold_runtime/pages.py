@@ -118,31 +118,35 @@ class PageLayout:
         if self.page % PAGE_MULTIPLE:
             raise ValueError(f"a page of {self.page} tokens: the bits page layout needs a multiple of {PAGE_MULTIPLE}")
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return sum(self.dims.row_bytes())
 
-    @property
+    @functools.cached_property  # read on every kernel launch: computed once
     def chunk(self) -> int:
         """Dims per chunk (chunk_of)."""
         return chunk_of(self.dims)
 
-    @property
+    @functools.cached_property  # read on every kernel launch: computed once
     def chunks(self) -> int:
         """Chunks per head in the kernels' tables: the widest head's."""
         return max(max(self.dims.d_k), max(self.dims.d_v)) // self.chunk
 
-    @property
+    @functools.cached_property  # read on every kernel launch: computed once
     def tile_chunks(self) -> int:
         """Chunks per head in the kernels' tiles: a power of two."""
         return 1 << (self.chunks - 1).bit_length()
 
-    def kinds(self) -> tuple[tuple, list[int]]:
+    def kinds(self) -> tuple[tuple, tuple[int, ...]]:
         """The layer's kinds of head, the kernels' constexprs, and each KV head's kind. A kind is, for keys then
         values, three tuples over the tile's chunks: each chunk's width (0 past the head's dims), where its first
         plane lies and where its band's scale bytes lie (0 where it has none), both in units of P bytes from the
         head's first plane (`table`'s chunk-0 offset): a head's regions follow one another in an order its widths
         fix, so the kernels address every region but the head's first at a compile-time offset."""
+        return self._kinds
+
+    @functools.cached_property  # read on every kernel launch (~0.8 ms a call to build here): built once
+    def _kinds(self) -> tuple[tuple, tuple[int, ...]]:
         def side(bands):
             chunks = _head_chunks(bands, self.chunk)
             planes = [0]
@@ -154,7 +158,7 @@ class PageLayout:
 
         per_head = [side(k) + side(v) for k, v in zip(self.dims.k_bands, self.dims.v_bands, strict=True)]
         kinds = tuple(dict.fromkeys(per_head))
-        return kinds, [kinds.index(h) for h in per_head]
+        return kinds, tuple(kinds.index(h) for h in per_head)
 
     def head_kinds(self, device) -> torch.Tensor:
         """int32 [G]: each KV head's kind (`kinds`)."""

@@ -200,16 +200,27 @@ def _ring_part(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, ring: 
     seen = torch.cat([readable, own[:, None]], 1)[:, None, :]  # [N, 1, capacity + 1]
     keys = torch.cat([held, torch.cat([k_own, v_own], -1).to(f32)[:, None]], 1)  # [N, capacity + 1, ·]
     keys = torch.where(seen[:, 0, :, None], keys, 0.0)  # an unwritten slot may hold NaN: 0 · NaN is NaN
-    o = torch.zeros(n, len(d_k), group, width, dtype=f32, device=q.device)
-    lse = torch.empty(n, len(d_k), group, dtype=f32, device=q.device)
-    qs = q.to(f32).split([group * w for w in d_k], -1)
-    ks, vs = keys[..., :split].split(d_k, -1), keys[..., split:].split(d_v, -1)
-    for g, (dk, dv) in enumerate(zip(d_k, d_v, strict=True)):
-        scores = (qs[g].view(n, group, dk) @ ks[g].transpose(1, 2) * scaling).masked_fill(~seen, float("-inf"))
-        lse[:, g] = scores.logsumexp(-1)
-        weights = torch.nan_to_num(scores.softmax(-1))  # a query that saw no row: weights 0, not NaN
-        o[:, g, :, :dv] = weights @ vs[g]
+    # every head at once, padded to the widest (zero dims add nothing to a score or a value): on a GPU each torch
+    # call is a launch, and a loop over heads made the step's host time grow with the head count
+    qh = _by_head(q.to(f32), d_k, group)  # [N, G, group, d_k]
+    kh = _by_head(keys[..., :split], d_k)[..., 0, :].transpose(1, 2)  # [N, G, capacity + 1, d_k]
+    vh = _by_head(keys[..., split:], d_v)[..., 0, :].transpose(1, 2)
+    scores = (qh @ kh.transpose(-1, -2) * scaling).masked_fill(~seen[:, :, None], float("-inf"))
+    lse = scores.logsumexp(-1)  # [N, G, group]
+    weights = torch.nan_to_num(scores.softmax(-1))  # a query that saw no row: weights 0, not NaN
+    o = torch.nn.functional.pad(weights @ vh, (0, width - max(d_v)))
     return o.view(n, -1, width), lse.view(n, -1)
+
+
+def _by_head(x: torch.Tensor, widths: list[int], rows: int = 1) -> torch.Tensor:
+    """[..., Σ rows·w] packed heads (each rows × w) -> [..., G, rows, widest], each head zero-padded to the widest
+    (a view when every head is as wide)."""
+    widest = max(widths)
+    if all(w == widest for w in widths):
+        return x.unflatten(-1, (len(widths), rows, widest))
+    heads = x.split([rows * w for w in widths], -1)
+    return torch.stack([torch.nn.functional.pad(h.unflatten(-1, (rows, w)), (0, widest - w))
+                        for h, w in zip(heads, widths, strict=True)], -3)
 
 
 def merge_parts(o: torch.Tensor, lse: torch.Tensor, dims: LayerDims) -> torch.Tensor:
@@ -219,4 +230,6 @@ def merge_parts(o: torch.Tensor, lse: torch.Tensor, dims: LayerDims) -> torch.Te
     weights = torch.where(lse > float("-inf"), (lse - top.clamp_min(torch.finfo(lse.dtype).min)).exp(), 0.0)
     merged = (weights[..., None] * o).sum(2) / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(o.dtype).tiny)
     g = dims.group
+    if all(dv == merged.shape[-1] for dv in dims.d_v):  # every head as wide as the parts: already packed
+        return merged.flatten(1)
     return torch.cat([merged[:, h * g:(h + 1) * g, :dv].flatten(1) for h, dv in enumerate(dims.d_v)], -1)

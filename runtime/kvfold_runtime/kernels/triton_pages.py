@@ -100,18 +100,20 @@ def _chunk(base, first, valid, WIDTH: tl.constexpr, PLANE: tl.constexpr, SCALE: 
 
 
 @triton.jit
-def _tile(base, first, valid, WIDTHS: tl.constexpr, PLANES: tl.constexpr, SCALES: tl.constexpr, FIRST: tl.constexpr,
-          COUNT: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr,
+def _tile(base, first, valid, KIND: tl.constexpr, SIDE: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr,
+          NC: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr,
           OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Chunks FIRST … FIRST + COUNT − 1 side by side: [BLOCK_N, CH·COUNT], column j = the head's dim FIRST·CH + j
-    (a join puts its new index last: it is moved first, which moves no data)."""
+    """Chunks FIRST … FIRST + COUNT − 1 of side SIDE (0 keys, 1 values) of a head of kind KIND (a flat kind: _flat)
+    side by side: [BLOCK_N, CH·COUNT], column j = the head's dim FIRST·CH + j (a join puts its new index last: it is
+    moved first, which moves no data)."""
     if COUNT == 1:
-        return _chunk(base, first, valid, WIDTHS[FIRST], PLANES[FIRST], SCALES[FIRST], CH, PAGE, SEG, MASKED, OUT,
+        AT: tl.constexpr = 3 * NC * SIDE + FIRST
+        return _chunk(base, first, valid, KIND[AT], KIND[AT + NC], KIND[AT + 2 * NC], CH, PAGE, SEG, MASKED, OUT,
                       BLOCK_N)
     else:
-        a = _tile(base, first, valid, WIDTHS, PLANES, SCALES, FIRST, COUNT // 2, CH, PAGE, SEG, MASKED, OUT, BLOCK_N)
-        b = _tile(base, first, valid, WIDTHS, PLANES, SCALES, FIRST + COUNT // 2, COUNT // 2, CH, PAGE, SEG, MASKED,
-                  OUT, BLOCK_N)
+        a = _tile(base, first, valid, KIND, SIDE, FIRST, COUNT // 2, NC, CH, PAGE, SEG, MASKED, OUT, BLOCK_N)
+        b = _tile(base, first, valid, KIND, SIDE, FIRST + COUNT // 2, COUNT // 2, NC, CH, PAGE, SEG, MASKED, OUT,
+                  BLOCK_N)
         return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BLOCK_N, CH * COUNT])
 
 
@@ -123,7 +125,7 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     """One key block [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated. MASKED: keys past `hi`,
     after a row's query or outside its window are hidden (a block every row sees whole needs no mask); HISTORY: so
     are a windowed layer's whole keys (position < sinks or within `window` of the row's query). k_at, v_at:
-    the head's first key and value plane in a page; KIND: the head's kind (PageLayout.kinds)."""
+    the head's first key and value plane in a page; KIND: the head's kind (PageLayout.kinds, flat: _flat)."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < hi
     # the block as segments of SEG tokens of one page each (start is a multiple of BLOCK_N): a segment's plane
@@ -135,7 +137,7 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     first = 0
     if SEG < PAGE:
         first = seg % PAGE
-    kt = _tile(base + k_at, first, valid, KIND[0], KIND[1], KIND[2], 0, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
+    kt = _tile(base + k_at, first, valid, KIND, 0, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     # the keys as the dot's first operand (BLOCK_N rows): sm_90 builds use its warpgroup MMA
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
@@ -150,7 +152,7 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _tile(base + v_at, first, valid, KIND[3], KIND[4], KIND[5], 0, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
+    v = _tile(base + v_at, first, valid, KIND, 1, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     p = p.to(DTYPE)  # as the reference: weights in the value dtype, float32 sums
     if UPCAST:
         p = p.to(tl.float32)
@@ -259,8 +261,14 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
         if kind == i:
             _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q,
                     stride_o, page_bytes, stride_table, num_kv_heads, window, sinks, scaling, g, r, mb, sp, q_start,
-                    q_len, end, off_k, dk, off_v, dv, KINDS[i], WINDOWED, HISTORY, GROUP, QUERIES,
+                    q_len, end, off_k, dk, off_v, dv, tl.constexpr(KINDS[i]), WINDOWED, HISTORY, GROUP, QUERIES,
                     PAGE, NUM_SPLITS, PARTS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
+
+
+def _flat(kind: tuple) -> tuple[int, ...]:
+    """A kind (PageLayout.kinds: six tuples over the tile's chunks) as one flat tuple, the form every supported Triton
+    passes to a jitted function as a constexpr (Triton 3.6, torch 2.11's, rejects a tuple of tuples there)."""
+    return tuple(x for part in kind for x in part)
 
 
 def paged_pages_attention(query: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -313,7 +321,7 @@ def _launch(query, kv, block_table, seq_lens, query_start_loc, dims: LayerDims, 
     group, g_count, tokens = dims.group, dims.num_kv_heads, query.shape[0]
     nc, ch = layout.tile_chunks, layout.chunk
     queries = max(1, min(max_query_len, 64 // group)) if max_query_len > 1 else 1
-    kinds = layout.kinds()[0]
+    kinds = tuple(_flat(kind) for kind in layout.kinds()[0])
     parts = num_splits + (history is not None)
     if parts > 1:
         part_o = torch.empty(tokens, g_count * group, parts, nc * ch, dtype=torch.float32, device=query.device)

@@ -113,11 +113,11 @@ def _pairs(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
         return tl.join(lo * s32 + offset, hi * s32 + offset).to(OUT)
 
 
-@triton.jit
-def _packed(WIDTH: tl.constexpr, OUT: tl.constexpr):
-    """Whether WIDTH-bit codes become OUT values a pair at a time by _PAIR (codes below 2^7 in bfloat16, 2^10 in
+@triton.constexpr_function  # a compile-time answer in every Triton (3.6 makes a @triton.jit function's a run-time one)
+def _packed(width: int, out) -> bool:
+    """Whether width-bit codes become `out` values a pair at a time by _PAIR (codes below 2^7 in bfloat16, 2^10 in
     float16) on a CUDA GPU."""
-    return _ASM and ((OUT == tl.bfloat16 and WIDTH < 8) or OUT == tl.float16)
+    return _ASM.value and ((out == tl.bfloat16 and width < 8) or out == tl.float16)
 
 
 @triton.jit
