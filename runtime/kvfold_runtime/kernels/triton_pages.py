@@ -256,7 +256,8 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
     # the head's first key and value plane in a page: chunk 0's offsets in the layout's table [2, G, 3, NC]
     k_at = tl.multiple_of(tl.load(layout_ptr + g * 3 * NC + NC), 16)
     v_at = tl.multiple_of(tl.load(layout_ptr + (num_kv_heads + g) * 3 * NC + NC), 16)
-    # one branch per kind of head in the layer (a warp-uniform choice made once per program)
+    # one branch per kind of head in the layer (a warp-uniform choice made once per program); the kind wrapped in
+    # tl.constexpr: Triton 3.6 would pass an item of a constexpr tuple on as a run-time tuple
     for i in tl.static_range(len(KINDS)):
         if kind == i:
             _attend(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, k_at, v_at, table_ptr, stride_q,
