@@ -143,6 +143,27 @@ def _pages(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
             torch.arange(b + 1, dtype=torch.int32, device=device))
 
 
+def _paged_step(layer: LayerWidths, q, kv, table, lens, starts, s: int, scaling: float, gen):
+    """A plain bits layer's decode step as vLLM's backend runs it on a GPU: the new key and value encoded into their
+    page slots, then the attention: what a decode pays per layer, host work and every launch included."""
+    from kvfold_runtime.kernels import write_paged
+    from kvfold_runtime.kernels.dispatch import paged
+    from kvfold_runtime.kernels.paged import BandPages
+
+    b, d = q.shape[0], layer.dims
+    key = torch.randn(b, sum(d.d_k), generator=gen, device=q.device).to(q.dtype)
+    value = torch.randn(b, sum(d.d_v), generator=gen, device=q.device).to(q.dtype)
+    last = lens.long() - 1  # each request's newest position: its slot in its last block
+    slots = table.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE
+    out, codec, longest = torch.empty(b, d.out_width, dtype=q.dtype, device=q.device), BandPages(d, PAGE), s
+
+    def step():
+        write_paged(kv, slots, key, value, codec=codec)
+        paged(q, kv, table, lens, starts, list(d.d_k), list(d.d_v), d.group, scaling=scaling, out=out, codec=codec,
+              max_query_len=1, max_seq_len=longest)
+    return step
+
+
 def _windowed_decode(layer: LayerWidths, q, kv, table, lens, starts, scaling: float, gen, sinks: int = 16,
                      window: int = 64):
     """A windowed bits layer's decode step as vLLM's backend runs it on a GPU (kernels.paged_window: the page
@@ -261,6 +282,8 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
             row["kvfold_triton_pages_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
             _time_into(row, "kvfold_triton_pages_window", _windowed_decode(layer, q[:, 0], kv, table, lens, starts,
                                                                           scaling, gen), t_sdpa, timed, reps)
+            _time_into(row, "kvfold_triton_pages_step", _paged_step(layer, q[:, 0], kv, table, lens, starts, s,
+                                                                    scaling, gen), t_sdpa, timed, reps)
         row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
         return row
     k, v = rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
@@ -339,7 +362,9 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
                   "bits layers: p against 16-bit numbers; kvfold_triton_bits reads the band codes as rows, "
                   "kvfold_triton_pages (decode) in the GPU page layout vLLM keeps an aligned bits layer in (pages of "
                   f"{PAGE} tokens); kvfold_triton_pages_window: the same cache as a windowed layer's (16 sinks and a "
-                  "64-token window whole in a ring, the rest from the pages), the step as vLLM's backend runs it"],
+                  "64-token window whole in a ring, the rest from the pages), the step as vLLM's backend runs it; "
+                  "kvfold_triton_pages_step: a plain layer's whole step as the backend runs it (the new token encoded "
+                  "into its page slot, then the attention: host work and every launch)"],
     }
 
 
@@ -355,7 +380,7 @@ def draw(report: dict, path: Path) -> None:
         longest = max(r["context" if kind == "decode" else "tokens"] for r in rows)
         for method, marker in (("kvfold_triton", "o"), ("kvfold_triton_balanced", "^"), ("kvfold_torch", "s"),
                                ("kvfold_triton_bits", "D"), ("kvfold_triton_pages", "P"),
-                               ("kvfold_triton_pages_window", "X")):
+                               ("kvfold_triton_pages_window", "X"), ("kvfold_triton_pages_step", "*")):
             pts = [(r["p"], r[f"{method}_ratio"], r) for r in rows if f"{method}_ratio" in r
                    and r["context" if kind == "decode" else "tokens"] == longest]
             if pts:

@@ -59,4 +59,5 @@ def test_a_smoke_run_writes_json_and_png(tiny_dirs, tmp_path):
     # both bits layers have 16-dim bands: their decode also runs over the GPU page layout
     assert all(r["kvfold_triton_pages_us"] > 0 for r in bits if r["kind"] == "decode")
     assert all(r["kvfold_triton_pages_window_us"] > 0 for r in bits if r["kind"] == "decode")
+    assert all(r["kvfold_triton_pages_step_us"] > 0 for r in bits if r["kind"] == "decode")
     assert {r["kind"] for r in report["rows"]} == {"decode", "prefill"}
