@@ -9,13 +9,19 @@ from kvfold.plan.formats.bits import ALIGN
 from kvfold.plan.ranks import RankPlan
 from kvfold_runtime import BAND_WIDTHS, DEFAULT_BAND_SCALE, ConfigBlock, bands_from_bits
 
-__all__ = ["SCALE", "WINDOW_CONTEXT", "BitPlan", "BitRule"]
+__all__ = ["SCALE", "WINDOW_CONTEXT", "BitPlan", "BitRule", "fp16_bytes_per_token"]
 
 # The bands' per-token scale format (BAND_SCALES), charged in the allocation at its bits: the runtime's default,
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
 # V_SCALE): float16 scales at 0.297 of fp16's bytes gave KL 0.057, log8 at 0.2775 gave KL 0.043.
 SCALE = DEFAULT_BAND_SCALE
 WINDOW_CONTEXT = 4096  # the context a windowed plan's bytes (and its compression p) are stated at (BitPlan)
+
+
+def fp16_bytes_per_token(head_dim: int, kv_heads: int) -> int:
+    """The same cache in float16, the figure every compression is stated against: 2 bytes per number, keys and
+    values, head_dim numbers per KV head (kv_heads: over every layer)."""
+    return 2 * 2 * head_dim * kv_heads
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,7 @@ class BitPlan:
     def compression(self) -> float:
         """p = 1 − cached bytes / the same cache in float16 (2 bytes per number): what a user compares with
         fp16, fp8 (p = 0.5) or int4."""
-        fp16 = 2 * 2 * self.head_dim * sum(len(layer) for layer in self.k_bits)
-        return 1.0 - self.bytes_per_token() / fp16
+        return 1.0 - self.bytes_per_token() / fp16_bytes_per_token(self.head_dim, sum(map(len, self.k_bits)))
 
     def kept_bits(self) -> tuple[list, list]:
         """Per layer, head and kept dim (zeros dropped): the manifest's and config.json's k_bits / v_bits."""
