@@ -11,18 +11,10 @@ from kvfold_runtime.kernels import row_codec, write_paged
 from kvfold_runtime.kernels.cpu_bits import library
 from kvfold_runtime.kernels.cpu_step import DecodeLayer
 from kvfold_runtime.kernels.paged_window import ring_slots, windowed_paged_attention, write_ring
-from kvfold_runtime.kernels.reference import reference_attention
 from tests.runtime.test_paged import _banded
+from tests.runtime.windowed_steps import oracle, steps
 
 D_K, D_V, GROUP, BS = [6, 3], [5, 8], 2, 4
-
-
-def _oracle(q, k, v, coded_k, coded_v, i, sinks, window, d_k, d_v):
-    """Query row q at position i by the definition: a row-by-row reference on keys mixed per position."""
-    whole = torch.tensor([j < sinks or i - j < window for j in range(i + 1)])[:, None]
-    keys = torch.where(whole, k[:i + 1], coded_k[:i + 1])
-    values = torch.where(whole, v[:i + 1], coded_v[:i + 1])
-    return reference_attention(q[None, None], keys[None], values[None], d_k, d_v, GROUP, scaling=0.3)[0, 0]
 
 
 @pytest.mark.parametrize(("d_k", "d_v"), [(D_K, D_V), ([40, 16], [33, 48])], ids=["narrow", "vector-wide"])
@@ -68,20 +60,13 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
     # the rings as vLLM gives a layer its share of a ring module: a strided view, wider than the layer's rows
     ring = torch.full((4, 3, sinks + window, sum(d_k) + sum(d_v) + 5), float("nan"))[:, 1]
     ring_blocks = torch.tensor([2, 0, 3])
-    done = [0, 0, 0]
-    for step in range(5):
-        reqs = [r for r in range(3) if schedule[r][step]]
-        news = [schedule[r][step] for r in reqs]
-        lens = [done[r] + n for r, n in zip(reqs, news, strict=True)]
-        starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
-        pos = [torch.arange(done[r], lens[i]) for i, r in enumerate(reqs)]
-        key = torch.cat([ks[r][p] for r, p in zip(reqs, pos, strict=True)])
-        value = torch.cat([vs[r][p] for r, p in zip(reqs, pos, strict=True)])
-        query = torch.cat([qs[r][p] for r, p in zip(reqs, pos, strict=True)])
-        slots = torch.cat([table[r, p // BS].long() * BS + p % BS for r, p in zip(reqs, pos, strict=True)])
+    for step in steps(schedule):
+        reqs, starts = step.reqs, step.starts
+        key, value, query = step.gather(ks), step.gather(vs), step.gather(qs)
+        slots = step.slots(table, BS)
         out = torch.full((query.shape[0], GROUP * sum(d_v)), float("nan"))
-        seq_lens = torch.tensor(lens)
-        if decodes == "c" and max(news) == 1:
+        seq_lens = torch.tensor(step.lens)
+        if decodes == "c" and query.shape[0] == len(reqs):  # decodes only
             ran = DecodeLayer(dims, torch.uint8, BS)(query, key, value, slots, kv, table[reqs], seq_lens.int(), out,
                                                      0.3, ring=(ring, ring_blocks[reqs], sinks, window))
             assert ran
@@ -91,10 +76,9 @@ def test_requests_read_their_window_whole_however_their_tokens_arrive(sinks, win
                                      codec, scaling=0.3, sinks=sinks, window=window, out=out, prefill=prefill)
             write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
         for i, r in enumerate(reqs):
-            for row, p in enumerate(pos[i].tolist()):
-                want = _oracle(qs[r][p], ks[r], vs[r], *coded[r], p, sinks, window, d_k, d_v)
+            for row, p in enumerate(step.pos[i].tolist()):
+                want = oracle(qs[r][p], ks[r], vs[r], *coded[r], p, sinks, window, d_k, d_v, GROUP, 0.3)
                 torch.testing.assert_close(out[starts[i] + row], want, rtol=1e-5, atol=1e-5)
-            done[r] = lens[i]
     # each ring holds its request's sinks and last `window` tokens, in their slots
     for r in range(3):
         positions = torch.tensor(sorted({*range(min(sinks, total[r])), *range(max(0, total[r] - window), total[r])}))

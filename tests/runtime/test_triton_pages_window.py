@@ -13,9 +13,9 @@ import torch
 from kvfold_runtime.bands import decode_heads
 from kvfold_runtime.kernels import row_codec, write_paged
 from kvfold_runtime.kernels.paged import BandPages
-from kvfold_runtime.kernels.reference import reference_attention
 from tests.conftest import rerun_in_triton_interpreter
 from tests.runtime.test_triton_pages import LAYERS, _kv, _rows
+from tests.runtime.windowed_steps import oracle, steps
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEEDS_CHILD = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -26,15 +26,6 @@ SCALE, PAGE = 0.3, 16
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
 def test_in_the_interpreter():
     rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter")
-
-
-def _oracle(q, k, v, coded_k, coded_v, i, sinks, window, dims):
-    """Query row q at position i by the definition: a row-by-row reference on keys mixed per position."""
-    whole = torch.tensor([j < sinks or i - j < window for j in range(i + 1)])[:, None]
-    keys = torch.where(whole, k[:i + 1], coded_k[:i + 1])
-    values = torch.where(whole, v[:i + 1], coded_v[:i + 1])
-    return reference_attention(q[None, None], keys[None], values[None], list(dims.d_k), list(dims.d_v), dims.group,
-                               scaling=SCALE)[0, 0]
 
 
 @kernels
@@ -77,27 +68,20 @@ def test_page_decodes_read_codes_and_ring_as_the_definition(layer, sinks, window
         table[r, :per[r]] = blocks[first:first + per[r]]
     ring = torch.full((4, sinks + window, sum(dims.d_k) + sum(dims.d_v) + 5), float("nan"), device=DEVICE)
     ring_blocks = torch.tensor([2, 0, 3])
-    done = [0, 0, 0]
-    for step in range(4):
-        reqs = [r for r in range(3) if schedule[r][step]]
-        news = [schedule[r][step] for r in reqs]
-        lens = [done[r] + n for r, n in zip(reqs, news, strict=True)]
-        starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
-        pos = [torch.arange(done[r], lens[i]) for i, r in enumerate(reqs)]
-        key = torch.cat([sides[r][0][p] for r, p in zip(reqs, pos, strict=True)]).to(DEVICE)
-        value = torch.cat([sides[r][1][p] for r, p in zip(reqs, pos, strict=True)]).to(DEVICE)
-        query = torch.cat([qs[r][p] for r, p in zip(reqs, pos, strict=True)]).to(DEVICE)
-        slots = torch.cat([table[r, p // PAGE].long() * PAGE + p % PAGE for r, p in zip(reqs, pos, strict=True)])
+    for step in steps(schedule):
+        reqs, starts = step.reqs, step.starts
+        key, value = step.gather([k for k, _ in sides]).to(DEVICE), step.gather([v for _, v in sides]).to(DEVICE)
+        query = step.gather(qs).to(DEVICE)
         out = torch.full((query.shape[0], dims.out_width), float("nan"), device=DEVICE)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        seq_lens = torch.tensor(step.lens, dtype=torch.int32)
         step_table = table[reqs].to(DEVICE)
-        write_paged(kv, slots.to(DEVICE), key, value, codec=codec)
+        write_paged(kv, step.slots(table, PAGE).to(DEVICE), key, value, codec=codec)
         windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], step_table, seq_lens, starts, codec,
                                  scaling=SCALE, sinks=sinks, window=window, out=out)
         write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
         for i, r in enumerate(reqs):
-            for row, p in enumerate(pos[i].tolist()):
-                want = _oracle(qs[r][p], *sides[r], *coded[r], p, sinks, window, dims)
+            for row, p in enumerate(step.pos[i].tolist()):
+                want = oracle(qs[r][p], *sides[r], *coded[r], p, sinks, window, list(dims.d_k), list(dims.d_v),
+                              dims.group, SCALE)
                 torch.testing.assert_close(out[starts[i] + row].cpu(), want, rtol=1e-4, atol=1e-4)
-            done[r] = lens[i]
     assert calls == [1, 2, 3], "the decodes did not take the page kernel"  # a step's decodes, in one call
