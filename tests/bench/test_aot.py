@@ -204,15 +204,40 @@ import json, triton
 from kvfold_bench.aot import run_case
 from kvfold_bench.aot_cases import CASES
 rows = [run_case(case, 128) for case in CASES if case.name.startswith("kvfold")]
-print(json.dumps({"triton": triton.__version__, "file": triton.__file__,
+from tests.bench.test_aot import band_writer_figures
+writer = band_writer_figures()
+print(json.dumps({"triton": triton.__version__, "file": triton.__file__, "writer": writer,
                   "rows": [[r["case"], r["head_dim"], r["thread_instructions_per_number"]] for r in rows]}))
 """
 
 
+def band_writer_figures() -> dict:
+    """The GPU band-code writer (kernels/triton_encode.py) compiled for sm_90 at Llama-3-8B's keys (8 KV heads of
+    128 dims in 8/5/4-bit bands): its registers and spills (its PTX `mul.rn` must pass ptxas too)."""
+    import torch
+
+    from kvfold_runtime.bands import bands_from_bits
+    from kvfold_runtime.kernels import triton_encode
+
+    bands = tuple(bands_from_bits([8] * 16 + [5] * 48 + [4] * 64) for _ in range(8))
+    with aot.capture(triton_encode._encode_kernel) as launches:
+        triton_encode.encode_rows_triton(torch.zeros(4, 8 * 128, dtype=torch.bfloat16), (128,) * 8, bands)
+    figures = aot.kernel_figures(launches[0])
+    return {"registers": figures["registers"], "spills": figures["spills"]}
+
+
+def test_the_gpu_band_writer_compiles_without_spills():
+    """One program a token and head: the tiles fit in registers (the first version, a program a token over all 8
+    heads, took 255 registers and spilled)."""
+    figures = band_writer_figures()
+    assert figures["registers"] <= 128 and figures["spills"]["ldl_stl_instructions"] == 0, figures
+
+
 def test_every_kvfold_kernel_compiles_with_the_oldest_triton():
-    """Every kvfold case (pages on 16- and 8-dim chunks, windowed, rows, rank; decode and prefill) compiled for sm_90
-    at head_dim 128 by Triton 3.6 in a child process: what a GPU with torch 2.11 runs (the page kernel failed there
-    on 2026-12-04; head_dim 64 compiles the same code with other constexprs, left to the venv's Triton: CI time)."""
+    """Every kvfold case (pages on 16- and 8-dim chunks, windowed, rows, rank; decode and prefill) and the band-code
+    writer compiled for sm_90 at head_dim 128 by Triton 3.6 in a child process: what a GPU with torch 2.11 runs (the
+    page kernel failed there on 2026-12-04; head_dim 64 compiles the same code with other constexprs, left to the
+    venv's Triton: CI time)."""
     assert OLDEST_TRITON_DIR.is_dir(), f"{OLDEST_TRITON_DIR} is missing: run scripts/setup.sh"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(OLDEST_TRITON_DIR), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
@@ -224,3 +249,4 @@ def test_every_kvfold_kernel_compiles_with_the_oldest_triton():
     expected = [[c.name, 128] for c in aot_cases.CASES if c.name.startswith("kvfold")]
     assert [row[:2] for row in report["rows"]] == expected
     assert all(row[2] > 0 for row in report["rows"])  # each compiled and its main loop counted
+    assert report["writer"]["registers"] <= 128 and report["writer"]["spills"]["ldl_stl_instructions"] == 0
