@@ -1,6 +1,7 @@
 """The GPU's band-code writer (kernels/triton_encode.py, one launch for a side's rows) gives exactly
 bands.encode_heads' bytes: every width, dims no band holds, 16-bit bands, rows of zeros, values across the whole
-log8 range, bfloat16 input, leading dims; and the CUDA path's BandRows.encode takes it. On CUDA when there is one,
+log8 range, bfloat16 input, leading dims; and on CUDA every writer (torch_bits.encode_rows: vLLM's and transformers'
+paths) takes it. On CUDA when there is one,
 else in Triton's interpreter."""
 
 import os

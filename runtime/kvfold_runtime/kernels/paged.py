@@ -102,11 +102,6 @@ class BandRows:
         d = self.dims  # encode_heads' bytes: in C where it builds (straight into the row's halves), else table-driven
         if k.device.type == "cpu" and library() is not None:
             return encode_layer_rows_c(k, v, d)
-        if k.device.type == "cuda":  # one Triton launch a side, not the torch writer's ~125 small ops (each a launch)
-            from kvfold_runtime.kernels import triton_encode
-
-            return torch.cat([triton_encode.encode_rows_triton(k, d.d_k, d.k_bands),
-                              triton_encode.encode_rows_triton(v, d.d_v, d.v_bands)], -1)
         return torch.cat([encode_rows(k, d.d_k, d.k_bands), encode_rows(v, d.d_v, d.v_bands)], -1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -198,6 +198,10 @@ def encode_rows(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Ban
     widths, bands = tuple(widths), tuple(tuple(h) for h in bands)
     if x.device.type == "cpu" and x.numel() and cpu_bits.library() is not None:  # the C encoder (cpu_bits.c)
         return cpu_bits.encode_rows_c(x, widths, bands)
+    if x.device.type == "cuda":  # one Triton launch, not the ~125 small ops below (on a GPU each a launch)
+        from kvfold_runtime.kernels import triton_encode
+
+        return triton_encode.encode_rows_triton(x, widths, bands)
     w = _writer(tuple(widths), tuple(tuple(h) for h in bands), str(x.device))
     if w is None or x.numel() == 0:
         return encode_heads(x, widths, bands)
