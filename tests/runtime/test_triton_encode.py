@@ -1,8 +1,8 @@
 """The GPU's band-code writer (kernels/triton_encode.py, one launch for a side's rows) gives exactly
 bands.encode_heads' bytes: every width, dims no band holds, 16-bit bands, rows of zeros, values across the whole
-log8 range, bfloat16 input, leading dims; and on CUDA every writer (torch_bits.encode_rows: vLLM's and transformers'
-paths) takes it. On CUDA when there is one,
-else in Triton's interpreter."""
+log8 range, bfloat16 input, leading dims; its rows scattered into the GPU page layout by a kernel leave a cache
+exactly as PageLayout.write leaves it; and on CUDA every writer takes them (torch_bits.encode_rows: vLLM's and
+transformers' paths; write_paged into pages: write_pages). On CUDA when there is one, else in Triton's interpreter."""
 
 import os
 
@@ -13,6 +13,8 @@ from kvfold_runtime.bands import bands_from_bits, encode_heads
 from tests.conftest import rerun_in_triton_interpreter
 from tests.runtime.test_torch_bits import _random_heads, _rows_to_encode
 from tests.runtime.test_triton_bits import LAYERS
+from tests.runtime.test_triton_pages import LAYERS as LAYERS_PAGES
+from tests.runtime.test_triton_pages import _kv, _rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEEDS_CHILD = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -21,7 +23,7 @@ kernels = pytest.mark.skipif(NEEDS_CHILD, reason="no GPU: run in Triton's interp
 
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernel tests run in this process")
 def test_in_the_interpreter():
-    rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter and not test_the_cuda_path")
+    rerun_in_triton_interpreter(__file__, "-k", "not test_in_the_interpreter and not test_the_cuda_paths")
 
 
 @kernels
@@ -43,7 +45,7 @@ def test_the_triton_writer_writes_encode_heads_bytes():
 
 @kernels
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CPU path's encoder is C or torch (test_torch_bits)")
-def test_the_cuda_path_writes_with_it(monkeypatch):
+def test_the_cuda_paths_write_with_it(monkeypatch):
     from kvfold_runtime.kernels import paged, triton_encode
 
     calls = []
@@ -55,3 +57,37 @@ def test_the_cuda_path_writes_with_it(monkeypatch):
     assert calls == [dims.d_k, dims.d_v]
     assert torch.equal(rows.cpu(), torch.cat([encode_heads(k.cpu(), dims.d_k, dims.k_bands),
                                               encode_heads(v.cpu(), dims.d_v, dims.v_bands)], -1))
+    # vLLM's write of a step into the GPU page layout: write_pages, not the layout's torch scatter
+    pages = []
+    real_pages = triton_encode.write_pages
+    monkeypatch.setattr(triton_encode, "write_pages", lambda *a: pages.append(1) or real_pages(*a))
+    dims = LAYERS_PAGES["mixed"]
+    codec = paged.row_codec(dims, page=16)
+    cache = torch.zeros(4, 1, 16, codec.layout.row_bytes, dtype=torch.uint8, device=DEVICE)
+    k, v = _kv(dims, 5, torch.Generator().manual_seed(1))
+    paged.write_paged(cache, torch.tensor([0, 9, -1, 33, 60], device=DEVICE), k.to(DEVICE), v.to(DEVICE), codec=codec)
+    assert pages == [1] and cache.any()
+
+
+@kernels
+@pytest.mark.parametrize(("layer", "page"), [("mixed", 16), ("eighths", 32), ("one head", 16)])
+def test_a_steps_rows_land_in_their_pages_as_the_layouts_write_puts_them(layer, page):
+    """triton_encode.write_pages (encode, then scatter into the page layout in a kernel) leaves the cache exactly
+    as PageLayout.write of encode_heads' rows does; a padding slot (−1) writes nothing, other tokens' bytes and the
+    pages no slot names keep theirs."""
+    from kvfold_runtime.kernels.triton_encode import write_pages
+    from kvfold_runtime.pages import page_layout
+
+    g = torch.Generator().manual_seed(page)
+    dims = LAYERS_PAGES[layer]
+    layout = page_layout(dims, page)
+    cache = torch.randint(0, 256, (7, 1, page, layout.row_bytes), generator=g, dtype=torch.uint8)
+    slots = torch.randperm(7 * page, generator=g)[:2 * page + 5]
+    slots[[3, 17]] = -1  # padding, as vLLM's slot mapping marks it
+    k, v = _kv(dims, slots.shape[0], g)
+    want = cache.clone()
+    keep = slots >= 0
+    layout.write(want, slots[keep], _rows(dims, k[keep], v[keep]))
+    got = cache.to(DEVICE)
+    write_pages(got, slots.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layout)
+    assert torch.equal(got.cpu(), want)

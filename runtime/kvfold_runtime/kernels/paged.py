@@ -163,6 +163,10 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
         return
     rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     if isinstance(codec, BandPages):  # each token's bytes to their places in its block's page
+        if kv.device.type == "cuda":  # encoded and scattered by Triton: 4 launches, no mask read back by the host
+            from kvfold_runtime.kernels import triton_encode
+
+            return triton_encode.write_pages(kv, slots, k, v, codec.layout)
         keep = slots >= 0
         codec.layout.write(kv, slots[keep], codec.encode(k[keep], v[keep], torch.uint8))
         return

@@ -1,13 +1,15 @@
-"""Band codes written on a GPU in one launch: a bits layer's rows for N tokens (bands.encode_heads' bytes exactly),
-where the table-driven torch writer (torch_bits._encode) is ~125 small ops a side, each a launch on a GPU: ~250 a
-layer's decode step, more time than the step's attention at small batches.
+"""A bits layer's step written on a GPU in a few launches: its band codes (bands.encode_heads' bytes exactly) in one
+launch a side, where the table-driven torch writer (torch_bits._encode) is ~125 small ops a side, each a launch on a
+GPU (~250 a layer's decode step, more time than the step's attention at small batches); and, for the GPU page layout
+(kvfold_runtime.pages), those rows scattered into their slots' pages in one more, padding slots skipped inside the
+kernel (a boolean mask would make the host wait for the GPU at every layer).
 
-One program a token and head: each quantized band's absmax, its covering log8
-byte (the smallest of the 256 scales ≥ absmax / (2^(b−1) − ½)), the fitted byte (bands.FIT_STEPS bytes below it
-tried, each band's squared error summed in float64; the least wins, the covering one on a tie), each dim's code
-shifted into its 16-bit window (or its float16 bits), added into the row's bytes (codes never share a bit: adding
-is OR). The arithmetic is torch's step for step: x / s rounded (div_rn), the reconstruction's product rounded
-before the difference (on CUDA `mul.rn`, which the compiler may not fuse into an FMA), so the bytes are the same.
+The writer, one program a token and head: each quantized band's absmax, its covering log8 byte (the smallest of the
+256 scales ≥ absmax / (2^(b−1) − ½)), the fitted byte (bands.FIT_STEPS bytes below it tried, each band's squared
+error summed in float64; the least wins, the covering one on a tie), each dim's code shifted into its 16-bit window
+(or its float16 bits), added into the row's bytes (codes never share a bit: adding is OR). The arithmetic is
+torch's step for step: x / s rounded (div_rn), the reconstruction's product rounded before the difference (on CUDA
+`mul.rn`, which the compiler may not fuse into an FMA), so the bytes are the same.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from triton.runtime.jit import JITFunction
 
 from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
 from kvfold_runtime.kernels.torch_bits import _writer
+from kvfold_runtime.pages import PageLayout
 
-__all__ = ["encode_rows_triton"]
+__all__ = ["encode_rows_triton", "write_pages"]
 
 
 @triton.jit
@@ -57,7 +60,7 @@ def _band_errors(x, quantized, half, top, of_band, member, byte, scales_ptr):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, stride_x, out_ptr, row_bytes, heads_ptr, band_ptr, kind_ptr, half_ptr, top_ptr, shift_ptr,
+def _encode_kernel(x_ptr, stride_x, out_ptr, stride_out, heads_ptr, band_ptr, kind_ptr, half_ptr, top_ptr, shift_ptr,
                    lo_ptr, hi_ptr, levels_ptr, scale_at_ptr, scales_ptr, FIT: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_B: tl.constexpr):
     """Program (t, g): token t's head g (heads [G, 4]: its first dim, width, first band, band count)."""
@@ -90,7 +93,7 @@ def _encode_kernel(x_ptr, stride_x, out_ptr, row_bytes, heads_ptr, band_ptr, kin
     code = _codes(x, s, half, top).to(tl.int32) << tl.load(shift_ptr + d, mask=live, other=0)
     bits16 = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     word = tl.where(quantized, code, tl.where(kind == 2, bits16, 0))
-    row = out_ptr + t * row_bytes
+    row = out_ptr + t * stride_out
     stored = live & (kind != 0)
     tl.atomic_add(row + tl.load(lo_ptr + d, mask=live, other=0), word & 0xFF, mask=stored)
     tl.atomic_add(row + tl.load(hi_ptr + d, mask=live, other=0), word >> 8, mask=stored & (word >> 8 != 0))
@@ -131,11 +134,69 @@ def encode_rows_triton(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tu
     if t is None or x.numel() == 0:
         return encode_heads(x, widths, bands)
     flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros(flat.shape[0], t["row_bytes"], dtype=torch.int32, device=x.device)
+    _encode_into(flat, t, out)
+    return out.to(torch.uint8).view(*x.shape[:-1], t["row_bytes"])
+
+
+def _encode_into(flat: torch.Tensor, t: dict, out: torch.Tensor) -> None:
+    """Add the codes of rows flat [N, D] into out [N, ≥ row bytes] int32 (zeros where they go)."""
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = torch.zeros(flat.shape[0], t["row_bytes"], dtype=torch.int32, device=x.device)
-    _encode_kernel[(flat.shape[0], len(widths))](
-        flat, flat.stride(0), out, t["row_bytes"], t["heads"], t["band"], t["kind"], t["half"], t["top"], t["shift"],
+    _encode_kernel[(flat.shape[0], t["heads"].shape[0])](
+        flat, flat.stride(0), out, out.stride(0), t["heads"], t["band"], t["kind"], t["half"], t["top"], t["shift"],
         t["lo"], t["hi"], t["levels"], t["scale_at"], t["scales"], FIT=FIT_STEPS,
         BLOCK_D=triton.next_power_of_2(t["widest"]), BLOCK_B=triton.next_power_of_2(max(1, t["most_bands"])))
-    return out.to(torch.uint8).view(*x.shape[:-1], t["row_bytes"])
+
+
+@triton.jit
+def _scatter_kernel(rows_ptr, stride_rows, slots_ptr, cache_ptr, src_ptr, dest_ptr, row_bytes, page_bytes,
+                    PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (n, c): token n's page bytes c·BLOCK_C … from its row (int32 bytes): each page byte's 8 bits
+    gathered from the row bits `src` [C, 8] names, stored where `dest` [5, C] (region, group, one, within, tokens:
+    pages._entry_bytes) puts it in the token's page. A padding slot (−1) writes nothing."""
+    n, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    if slot >= 0:
+        j = c * BLOCK_C + tl.arange(0, BLOCK_C)
+        live = j < row_bytes
+        byte = tl.zeros([BLOCK_C], tl.int32)
+        for b in tl.static_range(8):
+            bit = tl.load(src_ptr + j * 8 + b, mask=live, other=0)
+            byte |= ((tl.load(rows_ptr + n * stride_rows + bit // 8, mask=live, other=0) >> (bit % 8)) & 1) << b
+        at = slot % PAGE
+        tokens = tl.load(dest_ptr + 4 * row_bytes + j, mask=live, other=1)
+        place = (tl.load(dest_ptr + j, mask=live, other=0) + (at // tokens) * tl.load(dest_ptr + row_bytes + j,
+                 mask=live, other=0) + (at % tokens) * tl.load(dest_ptr + 2 * row_bytes + j, mask=live, other=0)
+                 + tl.load(dest_ptr + 3 * row_bytes + j, mask=live, other=0))
+        tl.store(cache_ptr + (slot // PAGE) * page_bytes + place, byte.to(tl.uint8), mask=live)
+
+
+@functools.lru_cache(maxsize=256)
+def _page_maps(layout: PageLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src [C·8] int32: the row bit of each bit of a token's page bytes; dest [5·C] int32: where each lies)."""
+    src, dest, _ = layout._maps
+    return (torch.tensor(src, dtype=torch.int32, device=device).flatten(),
+            torch.tensor(dest, dtype=torch.int32, device=device).t().contiguous().flatten())
+
+
+def write_pages(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> None:
+    """The GPU page layout's write of a step (kernels.write_paged's contract for BandPages): keys k [N, Σ d_k] and
+    values v [N, Σ d_v] encoded (bands.encode_heads' bytes) and scattered into their slots' pages of `cache`
+    [num_blocks, …, P · C bytes] — three launches and a buffer, no read back to the host (a padding slot, −1, is
+    skipped inside the kernel)."""
+    d = layout.dims
+    t_k = _tables(tuple(d.d_k), tuple(d.k_bands), str(k.device))
+    t_v = _tables(tuple(d.d_v), tuple(d.v_bands), str(k.device))
+    assert t_k is not None and t_v is not None, "the page layout's bands have log8 scales"
+    n = slots.shape[0]
+    if n == 0:
+        return
+    rows = torch.zeros(n, layout.row_bytes, dtype=torch.int32, device=k.device)
+    _encode_into(k.reshape(n, -1), t_k, rows)
+    _encode_into(v.reshape(n, -1), t_v, rows[:, t_k["row_bytes"]:])
+    src, dest = _page_maps(layout, str(k.device))
+    block_c = min(512, triton.next_power_of_2(layout.row_bytes))
+    _scatter_kernel[(n, triton.cdiv(layout.row_bytes, block_c))](
+        rows, rows.stride(0), slots, cache.view(-1), src, dest, layout.row_bytes, layout.page * layout.row_bytes,
+        PAGE=layout.page, BLOCK_C=block_c)
