@@ -239,6 +239,12 @@ class PageLayout:
         one_token = _torch_maps(self, str(rows.device))[0][0]  # [C, 8] the row bits of a token's page bytes
         return _pack(_bits(rows).flatten(-2)[..., one_token])
 
+    def token_maps(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a kernel writing one token's page bytes reads: (int32 [C, 8], the bit of the token's row that each
+        bit of its page byte j holds; int32 [5, C], where page byte j lies, as `slot_bytes` places it: region, group,
+        one, within, tokens)."""
+        return _token_maps(self, str(torch.device(device)))
+
     def write(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store token rows [N, C] at `slots` (block · P + place in the block, as vLLM's slot mapping) of a paged cache
         [num_blocks, …, P · C bytes] (any view that flattens)."""
@@ -261,6 +267,12 @@ def _table(layout: PageLayout, device: str) -> torch.Tensor:
 @functools.lru_cache(maxsize=256)
 def _head_kinds(layout: PageLayout, device: str) -> torch.Tensor:
     return torch.tensor(layout.kinds()[1], dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _token_maps(layout: PageLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    src_bits, _, _, where = _torch_maps(layout, device)
+    return src_bits[0].int().contiguous(), torch.stack(where).int().contiguous()
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -153,8 +153,8 @@ def _encode_into(flat: torch.Tensor, t: dict, out: torch.Tensor) -> None:
 def _scatter_kernel(rows_ptr, stride_rows, slots_ptr, cache_ptr, src_ptr, dest_ptr, row_bytes, page_bytes,
                     PAGE: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (n, c): token n's page bytes c·BLOCK_C … from its row (int32 bytes): each page byte's 8 bits
-    gathered from the row bits `src` [C, 8] names, stored where `dest` [5, C] (region, group, one, within, tokens:
-    pages._entry_bytes) puts it in the token's page. A padding slot (−1) writes nothing."""
+    gathered from the row bits `src` [C, 8] names, stored where `dest` [5, C] puts it in the token's page
+    (PageLayout.token_maps). A padding slot (−1) writes nothing."""
     n, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     if slot >= 0:
@@ -172,14 +172,6 @@ def _scatter_kernel(rows_ptr, stride_rows, slots_ptr, cache_ptr, src_ptr, dest_p
         tl.store(cache_ptr + (slot // PAGE) * page_bytes + place, byte.to(tl.uint8), mask=live)
 
 
-@functools.lru_cache(maxsize=256)
-def _page_maps(layout: PageLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src [C·8] int32: the row bit of each bit of a token's page bytes; dest [5·C] int32: where each lies)."""
-    src, dest, _ = layout._maps
-    return (torch.tensor(src, dtype=torch.int32, device=device).flatten(),
-            torch.tensor(dest, dtype=torch.int32, device=device).t().contiguous().flatten())
-
-
 def write_pages(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> None:
     """The GPU page layout's write of a step (kernels.write_paged's contract for BandPages): keys k [N, Σ d_k] and
     values v [N, Σ d_v] encoded (bands.encode_heads' bytes) and scattered into their slots' pages of `cache`
@@ -195,7 +187,7 @@ def write_pages(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
     rows = torch.zeros(n, layout.row_bytes, dtype=torch.int32, device=k.device)
     _encode_into(k.reshape(n, -1), t_k, rows)
     _encode_into(v.reshape(n, -1), t_v, rows[:, t_k["row_bytes"]:])
-    src, dest = _page_maps(layout, str(k.device))
+    src, dest = layout.token_maps(k.device)
     block_c = min(512, triton.next_power_of_2(layout.row_bytes))
     _scatter_kernel[(n, triton.cdiv(layout.row_bytes, block_c))](
         rows, rows.stride(0), slots, cache.view(-1), src, dest, layout.row_bytes, layout.page * layout.row_bytes,
