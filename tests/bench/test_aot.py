@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvfold.errors import KVFoldError
+from kvfold.sources.embedded import cache_root
 from kvfold_bench import aot, aot_cases, sass
 
 
@@ -198,20 +199,20 @@ def test_a_windowed_layers_codes_part_costs_what_the_plain_decode_does(d):
 # scripts/setup.sh installs in a folder of its own. A kernel written with a newer Triton's features (a tuple of
 # tuples passed as a constexpr, a @triton.jit helper's result used as a compile-time condition) fails there only.
 OLDEST_TRITON = "3.6.0"
-OLDEST_TRITON_DIR = Path(os.environ.get("KVFOLD_CACHE", Path.home() / ".cache" / "kvfold")) / f"triton-{OLDEST_TRITON}"
+OLDEST_TRITON_DIR = cache_root() / f"triton-{OLDEST_TRITON}"
 _OLDEST_CHILD = """
 import json, triton
 from kvfold_bench.aot import run_case
 from kvfold_bench.aot_cases import CASES
 rows = [run_case(case, 128) for case in CASES if case.name.startswith("kvfold")]
-from tests.bench.test_aot import band_writer_figures
-writer = band_writer_figures()
-print(json.dumps({"triton": triton.__version__, "file": triton.__file__, "writer": writer,
+from tests.bench.test_aot import write_path_figures
+writes = write_path_figures()
+print(json.dumps({"triton": triton.__version__, "file": triton.__file__, "writes": writes,
                   "rows": [[r["case"], r["head_dim"], r["thread_instructions_per_number"]] for r in rows]}))
 """
 
 
-def band_writer_figures() -> dict:
+def write_path_figures() -> dict:
     """The GPU write path (kernels/triton_encode.py: the band-code writer, then the page scatter) compiled for sm_90
     at Llama-3-8B's shape (8 KV heads of 128 dims, keys in 8/5/4-bit bands, values in 6/4), pages of 16 tokens:
     each kernel's registers and spills (the writer's PTX `mul.rn` must pass ptxas too)."""
@@ -239,25 +240,25 @@ def band_writer_figures() -> dict:
 def test_the_gpu_write_path_compiles_without_spills():
     """The writer runs a program a token and head: its tiles fit in registers (a first version, a program a token
     over all 8 heads, took 255 registers and spilled); the scatter a program a token and 512 page bytes."""
-    for figures in band_writer_figures().values():
+    for figures in write_path_figures().values():
         assert figures["registers"] <= 128 and figures["spills"]["ldl_stl_instructions"] == 0, figures
 
 
 def test_every_kvfold_kernel_compiles_with_the_oldest_triton():
-    """Every kvfold case (pages on 16- and 8-dim chunks, windowed, rows, rank; decode and prefill) and the band-code
-    writer compiled for sm_90 at head_dim 128 by Triton 3.6 in a child process: what a GPU with torch 2.11 runs (the
+    """Every kvfold case (pages on 16- and 8-dim chunks, windowed, rows, rank; decode and prefill) and the GPU write
+    path compiled for sm_90 at head_dim 128 by Triton 3.6 in a child process: what a GPU with torch 2.11 runs (the
     page kernel failed there on 2026-12-04; head_dim 64 compiles the same code with other constexprs, left to the
     venv's Triton: CI time)."""
     assert OLDEST_TRITON_DIR.is_dir(), f"{OLDEST_TRITON_DIR} is missing: run scripts/setup.sh"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(OLDEST_TRITON_DIR), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
     child = subprocess.run([sys.executable, "-c", _OLDEST_CHILD], env=env, capture_output=True, text=True,
-                           timeout=900)
+                           timeout=900, cwd=Path(__file__).parents[2])  # the repository root: tests.* import
     assert child.returncode == 0, child.stderr[-4000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     assert report["triton"] == OLDEST_TRITON and Path(report["file"]).is_relative_to(OLDEST_TRITON_DIR), report
     expected = [[c.name, 128] for c in aot_cases.CASES if c.name.startswith("kvfold")]
     assert [row[:2] for row in report["rows"]] == expected
     assert all(row[2] > 0 for row in report["rows"])  # each compiled and its main loop counted
-    assert sorted(report["writer"]) == ["_encode_kernel", "_scatter_kernel"]
-    assert all(k["registers"] <= 128 and k["spills"]["ldl_stl_instructions"] == 0 for k in report["writer"].values())
+    assert sorted(report["writes"]) == ["_encode_kernel", "_scatter_kernel"]
+    assert all(k["registers"] <= 128 and k["spills"]["ldl_stl_instructions"] == 0 for k in report["writes"].values())
