@@ -155,12 +155,12 @@ def _paged_step(layer: LayerWidths, q, kv, table, lens, starts, s: int, scaling:
     value = torch.randn(b, sum(d.d_v), generator=gen, device=q.device).to(q.dtype)
     last = lens.long() - 1  # each request's newest position: its slot in its last block
     slots = table.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE
-    out, codec, longest = torch.empty(b, d.out_width, dtype=q.dtype, device=q.device), BandPages(d, PAGE), s
+    out, codec = torch.empty(b, d.out_width, dtype=q.dtype, device=q.device), BandPages(d, PAGE)
 
     def step():
         write_paged(kv, slots, key, value, codec=codec)
         paged(q, kv, table, lens, starts, list(d.d_k), list(d.d_v), d.group, scaling=scaling, out=out, codec=codec,
-              max_query_len=1, max_seq_len=longest)
+              max_query_len=1, max_seq_len=s)
     return step
 
 
