@@ -213,9 +213,9 @@ print(json.dumps({"triton": triton.__version__, "file": triton.__file__, "writes
 
 
 def write_path_figures() -> dict:
-    """The GPU write path (kernels/triton_encode.py: the band-code writer, then the page scatter) compiled for sm_90
-    at Llama-3-8B's shape (8 KV heads of 128 dims, keys in 8/5/4-bit bands, values in 6/4), pages of 16 tokens:
-    each kernel's registers and spills (the writer's PTX `mul.rn` must pass ptxas too)."""
+    """The GPU write path (kernels/triton_encode.py: the band-code writer, the page scatter, the row copy) compiled
+    for sm_90 at Llama-3-8B's shape (8 KV heads of 128 dims, keys in 8/5/4-bit bands, values in 6/4), pages of 16
+    tokens: each kernel's registers and spills (the writer's PTX `mul.rn` must pass ptxas too)."""
     import torch
 
     from kvfold_runtime.bands import bands_from_bits
@@ -226,11 +226,16 @@ def write_path_figures() -> dict:
     keys = tuple(bands_from_bits([8] * 16 + [5] * 48 + [4] * 64) for _ in range(8))
     values = tuple(bands_from_bits([6] * 32 + [4] * 96) for _ in range(8))
     layout = page_layout(LayerDims((128,) * 8, (128,) * 8, 4, keys, values), 16)
-    with aot.capture(triton_encode._encode_kernel, triton_encode._scatter_kernel) as launches:
+    kernels = (triton_encode._encode_kernel, triton_encode._scatter_kernel, triton_encode._copy_kernel)
+    with aot.capture(*kernels) as launches:
         triton_encode.write_pages(torch.zeros(2, 1, 16, layout.row_bytes, dtype=torch.uint8), torch.tensor([3, 20]),
                                   torch.zeros(2, 8 * 128), torch.zeros(2, 8 * 128), layout)
+        # a rank layer's numbers: rows copied to their slots
+        triton_encode.copy_rows(torch.zeros(2, 1, 16, 2048, dtype=torch.bfloat16), torch.tensor([3, 20]),
+                                torch.zeros(2, 2048, dtype=torch.bfloat16))
     figures = [aot.kernel_figures(launch) for launch in launches]
-    assert [f["kernel"] for f in figures] == ["_encode_kernel", "_encode_kernel", "_scatter_kernel"], figures
+    assert [f["kernel"] for f in figures] == ["_encode_kernel", "_encode_kernel", "_scatter_kernel",
+                                              "_copy_kernel"], figures
     worst = {}  # per kernel, its launch with the most registers (the writer runs once a side)
     for f in sorted(figures, key=lambda f: f["registers"]):
         worst[f["kernel"]] = {"registers": f["registers"], "spills": f["spills"]}
@@ -260,5 +265,5 @@ def test_every_kvfold_kernel_compiles_with_the_oldest_triton():
     expected = [[c.name, 128] for c in aot_cases.CASES if c.name.startswith("kvfold")]
     assert [row[:2] for row in report["rows"]] == expected
     assert all(row[2] > 0 for row in report["rows"])  # each compiled and its main loop counted
-    assert sorted(report["writes"]) == ["_encode_kernel", "_scatter_kernel"]
+    assert sorted(report["writes"]) == ["_copy_kernel", "_encode_kernel", "_scatter_kernel"]
     assert all(k["registers"] <= 128 and k["spills"]["ldl_stl_instructions"] == 0 for k in report["writes"].values())

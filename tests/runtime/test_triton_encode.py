@@ -67,6 +67,14 @@ def test_the_cuda_paths_write_with_it(monkeypatch):
     k, v = _kv(dims, 5, torch.Generator().manual_seed(1))
     paged.write_paged(cache, torch.tensor([0, 9, -1, 33, 60], device=DEVICE), k.to(DEVICE), v.to(DEVICE), codec=codec)
     assert pages == [1] and cache.any()
+    # a rank layer's numbers: copy_rows, no boolean mask
+    copies = []
+    real_copy = triton_encode.copy_rows
+    monkeypatch.setattr(triton_encode, "copy_rows", lambda *a: copies.append(1) or real_copy(*a))
+    numbers = torch.zeros(4, 1, 16, 24, dtype=torch.bfloat16, device=DEVICE)
+    paged.write_paged(numbers, torch.tensor([5, -1], device=DEVICE), torch.ones(2, 12, device=DEVICE),
+                      torch.ones(2, 12, device=DEVICE))
+    assert copies == [1] and int((numbers != 0).sum()) == 24
 
 
 @kernels
@@ -90,4 +98,34 @@ def test_a_steps_rows_land_in_their_pages_as_the_layouts_write_puts_them(layer, 
     layout.write(want, slots[keep], _rows(dims, k[keep], v[keep]))
     got = cache.to(DEVICE)
     write_pages(got, slots.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layout)
+    assert torch.equal(got.cpu(), want)
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("outer", [False, True], ids=["layer-compact", "block-outer"])
+def test_a_steps_rows_land_in_their_slots_and_nowhere_else(dtype, outer):
+    """triton_encode.copy_rows (a cache of rows: a rank layer's numbers, a windowed layer's codes): each kept token's
+    row at its slot, in vLLM's layer-compact layout and in a block-outer one (each block a view into a larger one);
+    a padding slot (−1) writes nothing, and no byte outside the slots' rows changes."""
+    from kvfold_runtime.kernels.triton_encode import copy_rows
+
+    g = torch.Generator().manual_seed(2)
+    bs, c, blocks = 4, 24, 6
+
+    def draw(*shape):
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=g, dtype=dtype)
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    whole = draw(blocks, 3 if outer else 1, bs, c)
+    slots = torch.randperm(blocks * bs, generator=g)[:9]
+    slots[[2, 6]] = -1
+    rows = draw(9, c)
+    want = whole.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[slot // bs, 1 if outer else 0, slot % bs] = rows[i]
+    got = whole.to(DEVICE)
+    copy_rows(got[:, 1:2] if outer else got, slots.to(DEVICE), rows.to(DEVICE))
     assert torch.equal(got.cpu(), want)

@@ -154,6 +154,12 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
     n = slots.shape[0]
     k, v = k[:n].reshape(n, -1), v[:n].reshape(n, -1)
     codec = codec or NumberRows(k.shape[-1])
+    if kv.device.type == "cuda":  # in Triton kernels: a few launches, padding skipped inside, nothing read back
+        from kvfold_runtime.kernels import triton_encode
+
+        if isinstance(codec, BandPages):
+            return triton_encode.write_pages(kv, slots, k, v, codec.layout)
+        return triton_encode.copy_rows(kv, slots, codec.encode(k, v, kv.dtype))
     if not kv.is_contiguous() and not isinstance(codec, BandPages):
         # vLLM's block-outer layouts (a windowed export's): each block a view into a larger one, rows by block
         blocks = kv.reshape(kv.shape[0], -1, kv.shape[-1])  # a view: the rows of a block stay contiguous
@@ -163,10 +169,6 @@ def write_paged(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
         return
     rows = kv.view(-1, kv.shape[-1])  # [num_blocks·block_size, C]
     if isinstance(codec, BandPages):  # each token's bytes to their places in its block's page
-        if kv.device.type == "cuda":  # encoded and scattered by Triton: 4 launches, no mask read back by the host
-            from kvfold_runtime.kernels import triton_encode
-
-            return triton_encode.write_pages(kv, slots, k, v, codec.layout)
         keep = slots >= 0
         codec.layout.write(kv, slots[keep], codec.encode(k[keep], v[keep], torch.uint8))
         return

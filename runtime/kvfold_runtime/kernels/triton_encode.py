@@ -1,8 +1,9 @@
 """A bits layer's step written on a GPU in a few launches: its band codes (bands.encode_heads' bytes exactly) in one
 launch a side, where the table-driven torch writer (torch_bits._encode) is ~125 small ops a side, each a launch on a
 GPU (~250 a layer's decode step, more time than the step's attention at small batches); and, for the GPU page layout
-(kvfold_runtime.pages), those rows scattered into their slots' pages in one more, padding slots skipped inside the
-kernel (a boolean mask would make the host wait for the GPU at every layer).
+(kvfold_runtime.pages), those rows scattered into their slots' pages in one more; any other cache's rows (a rank
+layer's numbers, a windowed layer's codes) copied to their slots in one. Padding slots (−1) are skipped inside the
+kernels: a boolean mask would make the host wait for the GPU at every layer.
 
 The writer, one program a token and head: each quantized band's absmax, its covering log8 byte (the smallest of the
 256 scales ≥ absmax / (2^(b−1) − ½)), the fitted byte (bands.FIT_STEPS bytes below it tried, each band's squared
@@ -25,7 +26,7 @@ from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
 from kvfold_runtime.kernels.torch_bits import _writer
 from kvfold_runtime.pages import PageLayout
 
-__all__ = ["encode_rows_triton", "write_pages"]
+__all__ = ["copy_rows", "encode_rows_triton", "write_pages"]
 
 
 @triton.jit
@@ -192,3 +193,33 @@ def write_pages(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: to
     _scatter_kernel[(n, triton.cdiv(layout.row_bytes, block_c))](
         rows, rows.stride(0), slots, cache.view(-1), src, dest, layout.row_bytes, layout.page * layout.row_bytes,
         PAGE=layout.page, BLOCK_C=block_c)
+
+
+@triton.jit
+def _copy_kernel(rows_ptr, slots_ptr, cache_ptr, block_stride, row_bytes, BS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (n, c): bytes c·BLOCK … of token n's row to its slot's row (block slot // BS, row slot mod BS, rows
+    of a block contiguous, blocks block_stride bytes apart). A padding slot (−1) writes nothing."""
+    n, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    if slot >= 0:
+        j = c * BLOCK + tl.arange(0, BLOCK)
+        live = j < row_bytes
+        at = cache_ptr + (slot // BS) * block_stride + (slot % BS) * row_bytes
+        tl.store(at + j, tl.load(rows_ptr + n * row_bytes + j, mask=live), mask=live)
+
+
+def copy_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """kernels.write_paged's store for a cache of rows (not pages): rows [N, C] in the cache's dtype to `slots` of
+    `cache` [num_blocks, …, BS, C] (a block's rows contiguous; blocks may lie further apart, as in vLLM's
+    block-outer layouts), in one launch."""
+    n = slots.shape[0]
+    if n == 0:
+        return
+    blocks = cache.view(cache.shape[0], -1, cache.shape[-1])  # [num_blocks, BS, C]: a view (a block's rows contiguous)
+    assert blocks.stride(-1) == 1 and blocks.stride(1) == blocks.shape[-1] and rows.dtype == cache.dtype
+    size = cache.element_size()
+    row_bytes = cache.shape[-1] * size
+    source = rows.reshape(n, -1).contiguous().view(torch.uint8)
+    block = min(1024, triton.next_power_of_2(row_bytes))
+    _copy_kernel[(n, triton.cdiv(row_bytes, block))](
+        source, slots, blocks.view(torch.uint8), blocks.stride(0) * size, row_bytes, BS=blocks.shape[1], BLOCK=block)
