@@ -197,7 +197,10 @@ def quantize(x: torch.Tensor, bands: tuple[Band, ...]) -> tuple[torch.Tensor, to
             rows.append(part.to(torch.float16).contiguous().view(torch.uint8))
             continue
         # the codes are computed against the scale as stored
-        raw, s = _encode_scale((part.abs().amax(-1, keepdim=True) / _levels(band.bits)).clamp_min(1e-30), band.scale)
+        # divided by a tensor: torch on CUDA multiplies by the reciprocal of a Python number, which can land one
+        # float32 step off the quotient and so store another scale than the CPU (175 / 3.5 gave 50.000004 on an H200)
+        levels = torch.tensor(_levels(band.bits), device=part.device)
+        raw, s = _encode_scale((part.abs().amax(-1, keepdim=True) / levels).clamp_min(1e-30), band.scale)
         if band.scale == "log8":
             raw, s = _fit_log8(part, raw, band.bits)
         rows.append(pack_bits(_codes(part, s, band.bits).to(torch.int32), band.bits))

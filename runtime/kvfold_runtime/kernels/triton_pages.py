@@ -60,6 +60,10 @@ MAX_REGISTERS = 128
 # a decode program's rows are its GQA group (4 for Llama-3-8B): 8 is the fewest the score product takes (the
 # warpgroup MMA's N), where 16 would spend twice the softmax work on padding rows
 MIN_ROWS = 8
+# the shortest default split at decode: on an H200 (CUDA-graph replay, batch 1 × 4K, 4-bit Llama-3-8B layer) 16
+# splits of 256 keys took 17 µs, 8 of 512 (triton_decode's length) 28 µs; at 32K and at batch 16 and 64 the splits
+# are bounded by the device's programs, not by this
+KEYS_PER_SPLIT = 256
 
 
 def _block_n(head_dim: int) -> int:
@@ -318,7 +322,8 @@ def _launch(query, kv, block_table, seq_lens, query_start_loc, dims: LayerDims, 
             context = block_table.shape[1] * layout.page if max_seq_len is None else max_seq_len
             if sliding_window is not None:
                 context = min(context, sliding_window)
-            num_splits = default_splits(context, seq_lens.shape[0] * dims.num_kv_heads, _programs(str(query.device)))
+            num_splits = default_splits(context, seq_lens.shape[0] * dims.num_kv_heads, _programs(str(query.device)),
+                                        KEYS_PER_SPLIT)
     group, g_count, tokens = dims.group, dims.num_kv_heads, query.shape[0]
     nc, ch = layout.tile_chunks, layout.chunk
     queries = max(1, min(max_query_len, 64 // group)) if max_query_len > 1 else 1
