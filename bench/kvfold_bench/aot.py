@@ -118,7 +118,8 @@ def kernel_figures(launch: Launch, facts: bool = True) -> dict:
     if loop is not None:
         out["main_loop"] = {"instructions": loop.instructions, "nops": loop.nops, "global_loads": loop.loads,
                             "widest_load_bytes": loop.widest_load, "narrowest_load_bytes": loop.narrowest_load,
-                            "ldl_stl_instructions": loop.local_memory}
+                            "ldl_stl_instructions": loop.local_memory, "shared_memory": loop.shared,
+                            "shared_bytes_per_thread": loop.shared_bytes}
     return out
 
 
@@ -129,6 +130,10 @@ def _per_number(figures: dict, case: Case, d: int) -> float:
     loop["numbers_per_pass"] = loop["tokens_per_pass"] * 2 * d
     loop["thread_instructions_per_number"] = round(loop["instructions"] * figures["num_warps"] * 32
                                                    / loop["numbers_per_pass"], 2)
+    # the L1's other load: at 4 bits a number is 0.5 bytes of DRAM; a tile staged through shared memory adds its
+    # bytes twice (stored, then loaded for the tensor cores), on the unit that also serves the global loads
+    loop["shared_bytes_per_number"] = round(loop["shared_bytes_per_thread"] * figures["num_warps"] * 32
+                                            / loop["numbers_per_pass"], 2)
     return loop["thread_instructions_per_number"]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvfold.errors import KVFoldError
 
-__all__ = ["SM90", "Loop", "Sass", "disassemble", "load_bytes", "programs_per_sm", "tools"]
+__all__ = ["SM90", "Loop", "Sass", "disassemble", "load_bytes", "programs_per_sm", "shared_bytes", "tools"]
 
 # H100 / H200 (sm_90) per-SM limits: registers, shared memory (bytes, the 1 KB CUDA reserves per program included),
 # resident warps and programs; registers are allocated per warp in units of 256
@@ -31,6 +31,10 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
 _LOAD = re.compile(r"\b(LDGSTS|LDG)(?![A-Z])((?:\.[A-Z0-9_]+)*)")  # not LDGDEPBAR (a barrier)
 _WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+# shared memory moved by a thread: stores and loads (STS, LDS) and the matrix loads and stores that feed the tensor
+# cores (LDSM, STSM: .M88.n or .MT88.n, n 8×8 matrices of 16-bit numbers a warp, 4·n bytes a thread)
+_SHARED = re.compile(r"\b(LDSM|STSM|LDS|STS)(?![A-Z])((?:\.[A-Z0-9_]+)*)")
+_MATRICES = re.compile(r"\.MT?88\.(\d)")
 
 
 def tools() -> dict[str, Path]:
@@ -53,6 +57,13 @@ def tools() -> dict[str, Path]:
     return found
 
 
+def shared_bytes(op: str) -> int:
+    """Bytes one thread moves in one shared-memory instruction: STS.128 16, LDS.U16 2, LDSM.16.M88.4 16."""
+    if m := _MATRICES.search(op):
+        return 4 * int(m.group(1))
+    return load_bytes(op)
+
+
 def load_bytes(op: str) -> int:
     """Bytes one thread moves in one global load, from its opcode: LDG.E.U8 1, LDG.E 4, LDG.E.128 16."""
     mods = op.split(".")[1:]
@@ -67,6 +78,13 @@ class Loop:
     nops: int
     loads: dict[str, int] = field(default_factory=dict)  # global load opcode -> count in the body
     local_memory: int = 0  # LDL/STL in the body: spilled registers
+    shared: dict[str, int] = field(default_factory=dict)  # shared-memory opcode -> count in the body
+
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory one thread moves in a pass of the body (stores and loads): on sm_90 it shares the L1's
+        bandwidth (128 bytes a clock an SM) with the global loads, so a tile staged there costs L1 time per byte."""
+        return sum(shared_bytes(op) * n for op, n in self.shared.items())
 
     @property
     def widest_load(self) -> int:
@@ -114,8 +132,10 @@ class Sass:
     def _loop(self, start: int, end: int) -> Loop:
         body = self._span(start, end)
         loads = Counter(m.group(1) + m.group(2) for t in body if (m := _LOAD.search(t)))
+        shared = Counter(m.group(1) + m.group(2) for t in body if (m := _SHARED.search(t)))
         return Loop(start, end, len(body), sum(1 for t in body if t.split()[-1] == "NOP"),
-                    dict(sorted(loads.items())), sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t)))
+                    dict(sorted(loads.items())), sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t)),
+                    dict(sorted(shared.items())))
 
     def main_loop(self) -> Loop | None:
         loops = self.loops()
