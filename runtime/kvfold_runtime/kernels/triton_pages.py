@@ -25,9 +25,10 @@ moving pointer vectors between layouts through shared memory; reading segments t
 from 5.30 to 4.69 instructions per number). Per chunk (8 or 16 dims): the chunk's plane words are made values in the
 query dtype by triton_unpack (on CUDA two numbers a register: three instructions a pair), scaled by the token's band
 scale byte c, s = 2^((c − 128)/8), once per (token, band). The chunks are joined (tl.join, then the join's index
-moved first) into one [BLOCK_N, CH·NC] tile whose columns are the head's dims in order, so each side is one tl.dot
-and the queries and the output are read and written as they lie. Splits of a long context are merged by
-triton_decode's combine kernel.
+moved first) into one [BLOCK_N, CH·NC] tile whose columns are the head's dims in order (a head over 64 dims has its
+keys' tile, the same numbers, made by triton_keys in the registers the warpgroup MMA reads instead, not staged
+through shared memory), so each side is one tl.dot and the queries and the output are read and written as they
+lie. Splits of a long context are merged by triton_decode's combine kernel.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvfold_runtime.kernels.triton_common import (
     unit_columns,
 )
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
+from kvfold_runtime.kernels.triton_keys import key_rows, key_tile
 from kvfold_runtime.kernels.triton_unpack import chunk_values, plane_words, scale_bytes
 from kvfold_runtime.pages import page_layout
 
@@ -107,9 +109,9 @@ def _chunk(base, first, valid, WIDTH: tl.constexpr, PLANE: tl.constexpr, SCALE: 
 def _tile(base, first, valid, KIND: tl.constexpr, SIDE: tl.constexpr, FIRST: tl.constexpr, COUNT: tl.constexpr,
           NC: tl.constexpr, CH: tl.constexpr, PAGE: tl.constexpr, SEG: tl.constexpr, MASKED: tl.constexpr,
           OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Chunks FIRST … FIRST + COUNT − 1 of side SIDE (0 keys, 1 values) of a head of kind KIND (a flat kind: _flat)
-    side by side: [BLOCK_N, CH·COUNT], column j = the head's dim FIRST·CH + j (a join puts its new index last: it is
-    moved first, which moves no data)."""
+    """Chunks FIRST … FIRST + COUNT − 1 of side SIDE (0 keys, 1 values; _step: which keys) of a head of kind
+    KIND (a flat kind: _flat) side by side: [BLOCK_N, CH·COUNT], column j = the head's dim FIRST·CH + j (a join puts
+    its new index last: it is moved first, which moves no data)."""
     if COUNT == 1:
         AT: tl.constexpr = 3 * NC * SIDE + FIRST
         return _chunk(base, first, valid, KIND[AT], KIND[AT + NC], KIND[AT + 2 * NC], CH, PAGE, SEG, MASKED, OUT,
@@ -141,8 +143,15 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     first = 0
     if SEG < PAGE:
         first = seg % PAGE
-    kt = _tile(base + k_at, first, valid, KIND, 0, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
-    # the keys as the dot's first operand (BLOCK_N rows): sm_90 builds use its warpgroup MMA
+    # the keys as the dot's first operand (BLOCK_N rows; sm_90 builds use its warpgroup MMA). Heads over 64 dims make
+    # them in the registers the MMA reads (triton_keys: 3.95 instructions and 2.31 shared-memory bytes a number at
+    # 4 bits and head_dim 128, where staging the tile costs 3.74 and 4.31); narrower ones stage them (4.25 and 4.38
+    # at 64, where the registers' way costs 4.92: each lane's own loads and addresses over 128-token blocks)
+    if CH * NC > 64:
+        at, tok, live = key_rows(cache_ptr, table_ptr, r, stride_table, page_bytes, start, hi, PAGE, BLOCK_N)
+        kt = key_tile(at + k_at, tok, live, KIND, 0, NC, NC, CH, PAGE, MASKED, VALUES, BLOCK_N)
+    else:
+        kt = _tile(base + k_at, first, valid, KIND, 0, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         seen = valid[None, :] & (pos[None, :] <= qpos[:, None])
