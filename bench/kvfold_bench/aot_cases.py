@@ -52,11 +52,17 @@ def _bits_dims(d: int, mixed: bool = False):
     return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
 
 
-def _pages_dims(d: int, mixed: bool, chunk: int = 16):
+def _pages_dims(d: int, mixed: bool, chunk: int = 16, narrow: bool = False):
     """The page layout's layers: bands on 16-dim chunks (at head_dim 64 the mix's narrowest bands are one chunk), or
-    the mix on 8-dim chunks (its 8-bit band 8 dims wide: kvfold_runtime.pages.chunk_of is then 8)."""
+    the mix on 8-dim chunks (its 8-bit band 8 dims wide: kvfold_runtime.pages.chunk_of is then 8); narrow: the
+    widths of a windowed export's history (Qwen2.5-Coder-1.5B's default: keys 6/4, values 3/2 bits and a last
+    quarter of dims no band holds)."""
     from kvfold_bench.kernels import bits_layer
 
+    if narrow:
+        e = max(16, d // 8)
+        return bits_layer("bits 6/4 | 3/2/0", [(6, e), (4, d - e)], [(3, e), (2, d - e - d // 4), (0, d // 4)],
+                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
     if mixed:
         e = max(16, d // 8) if chunk == 16 else 8
         return bits_layer("bits 8/5/4 | 6/4", [(8, e), (5, d // 2 - e), (4, d // 2)], [(6, 2 * e), (4, d - 2 * e)],
@@ -64,12 +70,12 @@ def _pages_dims(d: int, mixed: bool, chunk: int = 16):
     return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
 
 
-def pages_decode(d: int, mixed: bool = False, chunk: int = 16) -> list[Launch]:
+def pages_decode(d: int, mixed: bool = False, chunk: int = 16, narrow: bool = False) -> list[Launch]:
     """The page-layout bits decode as kvfold's vLLM backend would call it on a GPU: uint8 pages of BLOCK tokens."""
     from kvfold_runtime.kernels import triton_decode, triton_pages
     from kvfold_runtime.pages import page_layout
 
-    dims, b = _pages_dims(d, mixed, chunk), DECODE_BATCH
+    dims, b = _pages_dims(d, mixed, chunk, narrow), DECODE_BATCH
     layout = page_layout(dims, BLOCK)
     assert layout.chunk == chunk, (layout.chunk, chunk)
     with capture(triton_pages._pages_kernel, triton_decode._combine_kernel) as launches:
@@ -234,6 +240,8 @@ CASES = [
          "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode, GPU page layout, 8/5/4 | 6/4 bits on 8-dim chunks (paged)",
          lambda d: pages_decode(d, mixed=True, chunk=8), "BLOCK_N", DECODE_BATCH),
+    Case("kvfold bits decode, GPU page layout, 6/4 | 3/2/0 bits (paged)", lambda d: pages_decode(d, narrow=True),
+         "BLOCK_N", DECODE_BATCH),
     Case("kvfold windowed bits decode's codes part, GPU page layout, 8/5/4 | 6/4 bits (paged)", pages_history,
          "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode (contiguous)", lambda d: bits_decode(d, paged=False), "BLOCK_N", DECODE_BATCH,

@@ -42,10 +42,12 @@ MIX = "8/5/4 | 6/4 bits"
 
 
 @pytest.fixture(scope="module", params=[("4 bits", 128), ("4 bits", 64), (MIX, 128), (MIX, 64),
-                                        (MIX + " on 8-dim chunks", 64)], ids=lambda p: f"{p[0]}@{p[1]}")
+                                        (MIX + " on 8-dim chunks", 64), ("6/4 | 3/2/0 bits", 128),
+                                        ("6/4 | 3/2/0 bits", 64)], ids=lambda p: f"{p[0]}@{p[1]}")
 def pages_decode(request) -> dict:
-    """The page-layout bits decode: 4 bits everywhere and an export-like mix, at head_dim 128 and 64 (8-dim chunks:
-    head_dim 64's alignment, formats/bits.band_align_for)."""
+    """The page-layout bits decode: 4 bits everywhere, an export-like mix, and a windowed export's history (2- and
+    3-bit values, staged through shared memory, cost ~12 a number at head_dim 128; a quarter of the dims unheld: its
+    chunks are zeros), at head_dim 128 and 64 (8-dim chunks: head_dim 64's alignment, formats/bits.band_align_for)."""
     widths, d = request.param
     return aot.run_case(_case(PAGES.format(widths)), d)
 
@@ -119,10 +121,10 @@ def test_bits_decode_budget(pages_decode):
     assert pages_decode["call"]["thread_instructions_per_number"] <= 8
     if pages_decode["case"] == PAGES.format("4 bits"):
         # and what the paired unpacking (two numbers a register, triton_unpack), page segments, two warpgroup
-        # products and (head_dim 128) the key tile made in the MMA's registers (triton_keys) reached, with 15% to
-        # spare: 3.95 at head_dim 128 (3.74 with that tile staged through shared memory), 4.25 at 64; a change that
+        # products and (head_dim 128) the tiles made in the MMA's registers (triton_tiles) reached, with 15% to
+        # spare: 4.16 at head_dim 128 (3.74 with both tiles staged through shared memory), 4.25 at 64; a change that
         # loses one of them (say, Triton re-packing pairs again) fails here before the budget does
-        assert pages_decode["thread_instructions_per_number"] <= 1.15 * {128: 3.95, 64: 4.25}[pages_decode["head_dim"]]
+        assert pages_decode["thread_instructions_per_number"] <= 1.15 * {128: 4.16, 64: 4.25}[pages_decode["head_dim"]]
         # shared memory: the tiles stored and loaded again for the tensor cores, 2.31 bytes a number at head_dim 128
         # (the values' only; 4.31 with the keys' too) and 4.38 at 64, against the codes' 0.5 from DRAM, on the L1
         # that also serves the global loads: an H200's profile of this kernel (2026-12-04) found the L1 its busiest
@@ -137,8 +139,8 @@ def test_bits_decode_budget(pages_decode):
 def test_8_dim_chunks_cost_about_what_16_dim_ones_do_at_head_dim_64():
     """The mixed layer (8/5/4 | 6/4 bits) at head_dim 64 on 8-dim chunks, the bits format's alignment there
     (formats/bits.band_align_for): within 5% of the same widths on 16-dim chunks per cached number (measured 6.47
-    against 6.50), within 128 registers and without spills (at head_dim 128 8-dim chunks cost ~20: the alignment
-    there stays 16)."""
+    against 6.50), within 128 registers and without spills (at head_dim 128 8-dim chunks cost 6.1, 19.5 before the
+    tiles were made in the MMA's registers: the alignment there stays 16)."""
     sixteen, eight = (aot.run_case(_case(PAGES.format(MIX + on)), 64) for on in ("", " on 8-dim chunks"))
     assert eight["kernels"][0]["constexprs"]["CH"] == 8 and sixteen["kernels"][0]["constexprs"]["CH"] == 16
     assert eight["thread_instructions_per_number"] <= 1.05 * sixteen["thread_instructions_per_number"]

@@ -43,7 +43,7 @@ LAYERS = {
     # bands on 8-dim chunks (a head_dim-64 allocation), every width at 8 dims: 1- and 2-bit planes shared by tokens
     "eighths": _aligned(2, [_bits((16, 8), (8, 8), (6, 8), (5, 8), (4, 16), (3, 8), (2, 8)), _bits((5, 24), (3, 8))],
                         [_bits((4, 8), (2, 8)), _bits((6, 16), (3, 24), (2, 8))]),
-    # the same over a 128-dim tile: keys made in the MMA's registers (triton_keys), on 8-dim chunks
+    # the same over a 128-dim tile: tiles made in the MMA's registers (triton_tiles), on 8-dim chunks
     "wide eighths": _aligned(2, [_bits((16, 8), (8, 8), (6, 8), (5, 8), (4, 16), (3, 8), (2, 72)),
                                  _bits((5, 24), (3, 8))],
                              [_bits((4, 8), (2, 8)), _bits((6, 16), (3, 24), (2, 8))]),
@@ -244,7 +244,7 @@ TOLERANCE = {F32: (1e-5, 1e-5), F16: (2e-3, 3 * 2.0 ** -11), BF16: (2e-3, 3 * 2.
     ("eighths", [100, 1, 37, 64], [1] * 4, None, 3, BF16, 16),  # 8-dim chunks
     ("eighths", [40, 30, 45], [1, 30, 20], 10, None, F16, 32),
     ("eighths", [40, 30, 45], [1, 30, 20], None, None, F32, 16),
-    ("wide eighths", [100, 1, 37, 64], [1] * 4, None, 3, BF16, 16),  # keys in the MMA's registers, 8-dim chunks
+    ("wide eighths", [100, 1, 37, 64], [1] * 4, None, 3, BF16, 16),  # tiles in the MMA's registers, 8-dim chunks
     ("wide eighths", [40, 30, 45], [1, 30, 20], 10, None, F16, 32),
     ("wide eighths", [300, 45], [1, 20], None, 2, BF16, 128),
     # pages longer than a key block (BLOCK_N 64 here, 128 for "eighths"): a block is part of one page

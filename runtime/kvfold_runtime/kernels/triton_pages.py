@@ -26,9 +26,9 @@ from 5.30 to 4.69 instructions per number). Per chunk (8 or 16 dims): the chunk'
 query dtype by triton_unpack (on CUDA two numbers a register: three instructions a pair), scaled by the token's band
 scale byte c, s = 2^((c − 128)/8), once per (token, band). The chunks are joined (tl.join, then the join's index
 moved first) into one [BLOCK_N, CH·NC] tile whose columns are the head's dims in order (a head over 64 dims has its
-keys' tile, the same numbers, made by triton_keys in the registers the warpgroup MMA reads instead, not staged
-through shared memory), so each side is one tl.dot and the queries and the output are read and written as they
-lie. Splits of a long context are merged by triton_decode's combine kernel.
+tiles, the same numbers, made by triton_tiles in the registers the warpgroup MMA reads instead), so each side is
+one tl.dot and the queries and the output are read and written as they lie. Splits of a long context are merged
+by triton_decode's combine kernel.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from kvfold_runtime.kernels.triton_common import (
     unit_columns,
 )
 from kvfold_runtime.kernels.triton_decode import _combine_kernel, _programs, default_splits
-from kvfold_runtime.kernels.triton_keys import key_rows, key_tile
+from kvfold_runtime.kernels.triton_tiles import mma_tile, tile_rows
 from kvfold_runtime.kernels.triton_unpack import chunk_values, plane_words, scale_bytes
 from kvfold_runtime.pages import page_layout
 
@@ -144,12 +144,12 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     if SEG < PAGE:
         first = seg % PAGE
     # the keys as the dot's first operand (BLOCK_N rows; sm_90 builds use its warpgroup MMA). Heads over 64 dims make
-    # them in the registers the MMA reads (triton_keys: 3.95 instructions and 2.31 shared-memory bytes a number at
-    # 4 bits and head_dim 128, where staging the tile costs 3.74 and 4.31); narrower ones stage them (4.25 and 4.38
-    # at 64, where the registers' way costs 4.92: each lane's own loads and addresses over 128-token blocks)
+    # both tiles in the registers the MMA reads (triton_tiles; at head_dim 128, 4 bits: 4.16 instructions and 2.31
+    # shared-memory bytes a number, 3.74 and 4.31 staged; 2-bit values 4.16 against 12.07); narrower ones stage them
+    # (4.25 and 4.38 at 64, where the registers' way costs 4.92 for keys: each lane's own loads over 128-token blocks)
     if CH * NC > 64:
-        at, tok, live = key_rows(cache_ptr, table_ptr, r, stride_table, page_bytes, start, hi, PAGE, BLOCK_N)
-        kt = key_tile(at + k_at, tok, live, KIND, 0, NC, NC, CH, PAGE, MASKED, VALUES, BLOCK_N)
+        at, tok, live = tile_rows(cache_ptr, table_ptr, r, stride_table, page_bytes, start, hi, PAGE, BLOCK_N)
+        kt = mma_tile(at + k_at, tok, live, KIND, 0, NC, NC, CH, PAGE, MASKED, VALUES, BLOCK_N)
     else:
         kt = _tile(base + k_at, first, valid, KIND, 0, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
@@ -165,7 +165,10 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _tile(base + v_at, first, valid, KIND, 1, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
+    if CH * NC > 64:  # (transposed for their product, the values' tile goes through shared memory once)
+        v = mma_tile(at + v_at, tok, live, KIND, 3 * NC, NC, NC, CH, PAGE, MASKED, VALUES, BLOCK_N)
+    else:
+        v = _tile(base + v_at, first, valid, KIND, 1, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     p = p.to(DTYPE)  # as the reference: weights in the value dtype, float32 sums
     if UPCAST:
         p = p.to(tl.float32)
