@@ -26,7 +26,7 @@ __all__ = ["mma_tile", "tile_rows"]
 
 @triton.jit
 def tile_rows(cache_ptr, table_ptr, r, stride_table, page_bytes, start, hi, PAGE: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr):
     """The block [start, start + BLOCK_N)'s rows in the MMA's axes: (each row's page, uint8 pointer
     [1, BLOCK_N/16, 1, 1, 1]; its place in the page [2, BLOCK_N/16, 8, 1, 1]; whether the request has it). Rows
     16a … 16a + 15 lie in one page (pages hold a multiple of 16 tokens); a page past the request's end reads as
