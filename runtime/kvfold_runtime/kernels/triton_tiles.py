@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvfold_runtime.kernels.triton_unpack import ASM, packed, pairs, rotate
+from kvfold_runtime.kernels.triton_unpack import field
 
 __all__ = ["mma_tile", "tile_rows"]
 
@@ -67,41 +67,6 @@ def _words(at, tok, g, j, P: tl.constexpr, CH: tl.constexpr):
         return x
 
 
-_PICK = tl.constexpr("prmt.b32 $0, $1, $2, $3;")  # bytes of {$2, $1} picked by the selector in $3
-
-
-@triton.jit
-def _bytes_bf16(v, s, HALF: tl.constexpr, f):
-    """triton_unpack._bytes_bf16 with the field f a tensor (a byte selector in a register: PRMT takes one)."""
-    sh = s.to(tl.bfloat16).to(tl.float32)
-    big = sh * 32768.0
-    offset = -(32768.0 + HALF) * sh
-    one = tl.full(v.shape, 0x3F800000, tl.int32)
-    lo = tl.inline_asm_elementwise(_PICK, "=r,r,r,r", [v, one, 0x7604 + 16 * f], dtype=tl.int32, is_pure=True,
-                                   pack=1).to(tl.float32, bitcast=True)
-    hi = tl.inline_asm_elementwise(_PICK, "=r,r,r,r", [v, one, 0x7604 + 16 * (2 + f)], dtype=tl.int32, is_pure=True,
-                                   pack=1).to(tl.float32, bitcast=True)
-    return tl.join(lo * big + offset, hi * big + offset).to(tl.bfloat16)
-
-
-@triton.jit
-def _field(words, hi_words, s, f, k, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-           OUT: tl.constexpr):
-    """triton_unpack._field with the field f and the pair k tensors (each lane its own): the pair's two values
-    [..., 2]."""
-    if P1 == 8 and OUT == tl.bfloat16 and ASM:
-        return _bytes_bf16(words, s, HALF, f)
-    v = words >> (P1 * f)
-    LOW: tl.constexpr = ((1 << P1) - 1) * 0x00010001
-    if P2 > 0:
-        v = (v & LOW) | (rotate(hi_words, (P2 * k - P1) & 31) & ~LOW)
-        if not packed(WIDTH, OUT):
-            v = v & (((1 << WIDTH) - 1) * 0x00010001)
-    elif not packed(WIDTH, OUT):
-        v = v & LOW
-    return pairs(v, s, HALF, WIDTH, OUT)
-
-
 @triton.jit
 def _chunk(at, tok, valid, WIDTH: tl.constexpr, PLANE: tl.constexpr, SCALE: tl.constexpr, CH: tl.constexpr,
            PAGE: tl.constexpr, MASKED: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -135,7 +100,7 @@ def _chunk(at, tok, valid, WIDTH: tl.constexpr, PLANE: tl.constexpr, SCALE: tl.c
             hi_words = words
             if P2 > 0:
                 hi_words = _words(at + PLANE * PAGE + PAGE * CH * P1 // 8, tok, g, j, P2, CH)
-            x = _field(words, hi_words, s, k % F, k, HALF, WIDTH, P1, P2, OUT)  # [2, A, 8, 4, J, 2]
+            x = field(words, hi_words, s, k % F, k, HALF, WIDTH, P1, P2, OUT)  # [2, A, 8, 4, J, 2]
         # row 16a + 8·(row + 8) + t, column 8j + 2g + lane: the chunk's dims in order
         return tl.reshape(tl.permute(x, (1, 0, 2, 4, 3, 5)), [BLOCK_N, CH])
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["ASM", "chunk_values", "packed", "pairs", "plane_words", "rotate", "scale_bytes"]
+__all__ = ["ASM", "chunk_values", "field", "packed", "pairs", "plane_words", "rotate", "scale_bytes"]
 
 
 @triton.jit
@@ -128,15 +128,15 @@ def _twice(x, OUT: tl.constexpr):
 
 
 @triton.jit
-def _byte_into(v, one, k: tl.constexpr):
-    """Byte k of each word in bits 8-15 of the float32 1.0 (0x3F80kk00): one PRMT (bytes 4-7 are `one`'s)."""
-    SELECT: tl.constexpr = 0x7604 + 16 * k
-    return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [v, one], dtype=tl.int32,
-                                     is_pure=True, pack=1)
+def _byte_into(v, one, k):
+    """Byte k of each word in bits 8-15 of the float32 1.0 (0x3F80kk00): one PRMT (bytes 4-7 are `one`'s); k a
+    constant or, lane by lane, a tensor (PRMT takes its selector from a register)."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [v, one, 0x7604 + 16 * k],
+                                     dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _bytes_bf16(v, s, HALF: tl.constexpr, f: tl.constexpr):
+def _bytes_bf16(v, s, HALF: tl.constexpr, f):
     """8-bit codes (v: lane h's code in byte 2h + f) under bfloat16 queries: each code moved to bits 8-15 of the
     float32 1.0 (x = 1 + q·2^-15: one PRMT, no integer-to-float conversion), then one multiply-add
     x·2^15·s − (2^15 + HALF)·s = (q − HALF)·s, and one rounding of two numbers to a bfloat16 pair. Exact before
@@ -155,8 +155,17 @@ def _bytes_bf16(v, s, HALF: tl.constexpr, f: tl.constexpr):
 @triton.jit
 def _field(words, hi_words, s, f: tl.constexpr, F: tl.constexpr, HALF: tl.constexpr, WIDTH: tl.constexpr,
            P1: tl.constexpr, P2: tl.constexpr, OUT: tl.constexpr):
-    """Field f of every first-plane word (pair k = w·F + f, dims 2k and 2k + 1), with its second-plane bits (p₂ = 1
-    or 2, at bit p₂·k of the token's one word) above the first plane's p₁: values [BLOCK_N, W, 2]."""
+    """Field f of every first-plane word [BLOCK_N, W] (pair k = w·F + f): values [BLOCK_N, W, 2]."""
+    k = tl.arange(0, words.shape[1])[None, :] * F + f
+    return field(words, hi_words, s, f, k, HALF, WIDTH, P1, P2, OUT)
+
+
+@triton.jit
+def field(words, hi_words, s, f, k, HALF: tl.constexpr, WIDTH: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+          OUT: tl.constexpr):
+    """Field f (a constant, or a tensor: each lane its own) of first-plane words holding pair k (dims 2k and 2k + 1),
+    with its second-plane bits (p₂ = 1 or 2, at bit p₂·k of the token's one word) above the first plane's p₁: the
+    pair's two values [..., 2]."""
     if P1 == 8 and OUT == tl.bfloat16 and ASM:  # the PRMT picks bytes f and 2 + f itself: no shift, no mask
         return _bytes_bf16(words, s, HALF, f)
     v = words >> (P1 * f)
@@ -165,8 +174,6 @@ def _field(words, hi_words, s, f: tl.constexpr, F: tl.constexpr, HALF: tl.conste
         # the second plane's field of pair k moved to bit p₁ of each lane by one rotation (a right shift by
         # p₂·k − p₁ that may be negative; what wraps around lands below p₁ or past the width), then one select (a
         # LOP3) takes the low p₁ bits from v and the rest from it; bits past the width are garbage the unpacking masks
-        W: tl.constexpr = words.shape[1]
-        k = tl.arange(0, W)[None, :] * F + f
         hi = rotate(hi_words, (P2 * k - P1) & 31)
         v = (v & LOW) | (hi & ~LOW)
         if not packed(WIDTH, OUT):  # (_PAIR masks its own)
