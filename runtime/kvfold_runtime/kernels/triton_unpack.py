@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["ASM", "chunk_values", "field", "packed", "pairs", "plane_words", "rotate", "scale_bytes"]
+__all__ = ["chunk_values", "field", "plane_words", "scale_bytes"]
 
 
 @triton.jit
@@ -80,16 +80,16 @@ _PAIR_F16 = tl.constexpr(tuple(_PAIR.format(mask=((1 << b) - 1) * 0x00010001, ma
 
 
 @triton.jit
-def pairs(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
+def _pairs(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
     """Pairs of codes v [BLOCK_N, W] (int32, lane h = bits 16h …) -> their values (q − 2^(b−1) + ½)·s in OUT, the
     query dtype, [BLOCK_N, W, 2] (lane last: a pair is one 32-bit register, the word itself; any rank, s of v's).
     In half precision with codes below 2^7 (bfloat16) or 2^10 (float16), a lane OR-ed into a magic number is the
     16-bit float 2^7 + q (2^10 + q): the integer 2^7 + 2^(b−1) (2^10 + …) subtracted (exact) and a multiply-add
     (·s + s/2, rounded once) make the values, with no integer-to-float conversion; otherwise in float32 (8-bit codes
-    under bfloat16 queries on CUDA take _bytes_bf16, from _field). HALF = 2^(b−1) − ½."""
+    under bfloat16 queries on CUDA take _bytes_bf16, from field). HALF = 2^(b−1) − ½."""
     # the magic number's integer plus the code's offset: an integer, so subtracting it is exact
     BASE: tl.constexpr = (128.0 if OUT == tl.bfloat16 else 1024.0) + HALF + 0.5
-    if packed(WIDTH, OUT):  # the pair in one register, by PTX
+    if _packed(WIDTH, OUT):  # the pair in one register, by PTX
         args = [v, _twice(tl.full(v.shape, 1.0, tl.float32), OUT), _twice(tl.full(v.shape, -BASE, tl.float32), OUT),
                 _twice(s, OUT), _twice(s * 0.5, OUT)]
         if OUT == tl.bfloat16:
@@ -114,10 +114,10 @@ def pairs(v, s, HALF: tl.constexpr, WIDTH: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.constexpr_function  # a compile-time answer in every Triton (3.6 makes a @triton.jit function's a run-time one)
-def packed(width: int, out) -> bool:
+def _packed(width: int, out) -> bool:
     """Whether width-bit codes become `out` values a pair at a time by _PAIR (codes below 2^7 in bfloat16, 2^10 in
     float16) on a CUDA GPU."""
-    return ASM.value and ((out == tl.bfloat16 and width < 8) or out == tl.float16)
+    return _ASM.value and ((out == tl.bfloat16 and width < 8) or out == tl.float16)
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def field(words, hi_words, s, f, k, HALF: tl.constexpr, WIDTH: tl.constexpr, P1:
     """Field f (a constant, or a tensor: each lane its own) of first-plane words holding pair k (dims 2k and 2k + 1),
     with its second-plane bits (p₂ = 1 or 2, at bit p₂·k of the token's one word) above the first plane's p₁: the
     pair's two values [..., 2]."""
-    if P1 == 8 and OUT == tl.bfloat16 and ASM:  # the PRMT picks bytes f and 2 + f itself: no shift, no mask
+    if P1 == 8 and OUT == tl.bfloat16 and _ASM:  # the PRMT picks bytes f and 2 + f itself: no shift, no mask
         return _bytes_bf16(words, s, HALF, f)
     v = words >> (P1 * f)
     LOW: tl.constexpr = ((1 << P1) - 1) * 0x00010001  # the first plane's bits of each lane
@@ -174,19 +174,19 @@ def field(words, hi_words, s, f, k, HALF: tl.constexpr, WIDTH: tl.constexpr, P1:
         # the second plane's field of pair k moved to bit p₁ of each lane by one rotation (a right shift by
         # p₂·k − p₁ that may be negative; what wraps around lands below p₁ or past the width), then one select (a
         # LOP3) takes the low p₁ bits from v and the rest from it; bits past the width are garbage the unpacking masks
-        hi = rotate(hi_words, (P2 * k - P1) & 31)
+        hi = _rotate(hi_words, (P2 * k - P1) & 31)
         v = (v & LOW) | (hi & ~LOW)
-        if not packed(WIDTH, OUT):  # (_PAIR masks its own)
+        if not _packed(WIDTH, OUT):  # (_PAIR masks its own)
             v = v & (((1 << WIDTH) - 1) * 0x00010001)
-    elif not packed(WIDTH, OUT):
+    elif not _packed(WIDTH, OUT):
         v = v & LOW
-    return pairs(v, s, HALF, WIDTH, OUT)
+    return _pairs(v, s, HALF, WIDTH, OUT)
 
 
 @triton.jit
-def rotate(x, r):
+def _rotate(x, r):
     """x rotated right by r bits (0 ≤ r < 32): one funnel shift on CUDA, the same arithmetic in Triton elsewhere."""
-    if ASM:
+    if _ASM:
         return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [x, r + 0 * x], dtype=tl.int32,
                                          is_pure=True, pack=1)
     else:
@@ -228,4 +228,4 @@ def chunk_values(words, hi_words, s, HALF: tl.constexpr, WIDTH: tl.constexpr, P1
 
 # PTX for the unpacking on CUDA GPUs; Triton's interpreter (decided when the kernels were decorated, as
 # triton_common.dot_options) and other GPUs take the same arithmetic written in Triton
-ASM = tl.constexpr(isinstance(pairs, JITFunction) and torch.version.hip is None)
+_ASM = tl.constexpr(isinstance(_pairs, JITFunction) and torch.version.hip is None)
