@@ -93,10 +93,12 @@ def context_positions(recipe: Recipe, previous: PreviousExport | None, net: nn.M
 def pick(curve: tuple[Point, ...], recipe: Recipe, target: Target | None,
          checked: dict | None) -> tuple[Point, dict | None]:
     """A point of a recorded curve, and its pass-key record when the previous export checked that very point.
-    Points whose pass-key check failed there are not picked."""
+    Points whose pass-key check failed there are not picked, nor any more compressed than one that failed: the
+    check bisected from the most compressed down (plan/longrange.py) and took those to lose their keys too,
+    unchecked."""
     if target is not None:
-        rejected = {r["compression"] for r in (checked or {}).get("rejected", [])}
-        best = best_point([p for p in curve if p.compression not in rejected] or list(curve), target,
+        lost = min((r["compression"] for r in (checked or {}).get("rejected", [])), default=float("inf"))
+        best = best_point([p for p in curve if p.compression < lost] or list(curve), target,
                           where="on the recorded curve")
         same = checked is not None and checked.get("compression") == best.compression
         return best, checked if same else None

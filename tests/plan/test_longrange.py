@@ -141,3 +141,17 @@ def test_an_original_that_retrieves_no_key_keeps_every_point():
     best, record, _ = keep_passkeys(model, adapter, prompts, [_point(0.2), _point(0.5)], Target("top1", 0.99),
                                     lambda p: [{}, broken])
     assert best.compression == 0.5 and record["original"] == record["retrieved"] == 0 and record["rejected"] == []
+
+
+def test_a_reused_curve_skips_points_more_compressed_than_one_that_lost_keys():
+    """--reuse-curve (plan/reuse.pick): the check bisected from the most compressed down, so points past the first
+    rejected one were never checked and count as lost; the previous choice comes back with its record."""
+    from kvfold.plan.recipe import Recipe
+    from kvfold.plan.reuse import pick
+
+    curve = tuple(_point(p) for p in (0.2, 0.3, 0.4, 0.5, 0.6))
+    record = {"compression": 0.3, "rejected": [{"compression": 0.4}]}
+    best, kept = pick(curve, Recipe(accuracy=0.99), Target("joint", 0.99), record)
+    assert best.compression == 0.3 and kept is record
+    best, kept = pick(curve, Recipe(accuracy=0.99), Target("joint", 0.99), None)  # no pass-key check recorded
+    assert best.compression == 0.6 and kept is None
