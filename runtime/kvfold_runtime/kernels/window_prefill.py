@@ -66,6 +66,13 @@ def windowed_prefill(q: torch.Tensor, k_coded: torch.Tensor, v_coded: torch.Tens
     logit = lse[first:].reshape(n, -1)  # [n, heads·group]
     got = None if causal is None else causal(*args, scaling=scaling, logit=logit)
     o, share = _sdpa_with_logit(*args, scaling=scaling, logit=logit) if got is None else got
+    if all(w == d_v[0] for w in d_v):  # one width: packed rows are [heads · group, width], merged in one pass
+        heads, w = len(d_v) * group, d_v[0]
+        merged = o.view(n, heads, w).float().add_(share.view(n, heads, 1) * o_whole[first:].view(n, heads, w))
+        packed = q.new_empty(t, heads * w)
+        packed[:first] = o_whole[:first].view(first, heads * w)
+        packed[first:] = merged.view(n, -1)
+        return packed
     share = share.view(n, len(d_k), group, 1)
     out, at = o_whole, 0
     for g, dv in enumerate(d_v):

@@ -64,14 +64,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: li
     isa = isa_of(q.dtype, BLOCK, h)
     # the cache as vLLM's CPU backend allocates and views it ([blocks, heads, BLOCK, 2h] -> keys and values
     # [blocks, heads, BLOCK, h]), filled by vLLM's own writer: the kernel reads the layout its ISA stores
-    cache = q.new_zeros(blocks, heads, BLOCK, 2 * h).view(blocks, heads, 2 * BLOCK, h)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    keys, values = _heads(k, d_k, h), _heads(v, d_v, h)
+    cache = q.new_empty(blocks, heads, BLOCK, 2 * h)
+    cache[-1].zero_()  # the last block's rows past s: read and masked, never NaN (0 · NaN is NaN)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * BLOCK, h).chunk(2, dim=2)
+    first = int(logit is not None)  # the extra key's row
+    keys, values = _heads(k, d_k, h, first), _heads(v, d_v, h, first)
     query = _heads(q, [w for w in d_k for _ in range(group)], h)  # query head g·group + j at KV head g's width
     if logit is not None:  # the extra key first (row 0), in columns past every head's width
-        probe = q.new_zeros(1, heads, h)
-        probe[..., h - 2:] = 1.0
-        keys, values = torch.cat([probe, keys]), torch.cat([probe, values])
+        keys[0, :, h - 2:] = 1.0
+        values[0, :, h - 2:] = 1.0
         score = logit.float() / scaling
         query[..., h - 2] = score.to(q.dtype)
         query[..., h - 1] = (score - query[..., h - 2].float()).to(q.dtype)
@@ -88,17 +89,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: li
         block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=meta, s_aux=None)
     if logit is None and all(w == h for w in d_v):  # every head at the padded width: the output is already packed
         return out.view(t, heads * group * h)
-    packed = torch.cat([out[:, g * group:(g + 1) * group, :w].reshape(t, group * w) for g, w in enumerate(d_v)], -1)
+    if all(w == d_v[0] for w in d_v):  # one width: the packed output is one strided copy
+        packed = out[..., :d_v[0]].reshape(t, -1)
+    else:
+        packed = torch.cat([out[:, g * group:(g + 1) * group, :w].reshape(t, group * w) for g, w in enumerate(d_v)],
+                           -1)
     return packed if logit is None else (packed, out[..., h - 2].float())
 
 
-def _heads(x: torch.Tensor, widths: list[int], h: int) -> torch.Tensor:
-    """[N, Σ widths] -> [N, heads, h], each head zero-padded to h (a view where every head is h wide)."""
-    if all(w == h for w in widths):
-        return x.reshape(x.shape[0], len(widths), h).contiguous()
-    out = x.new_zeros(x.shape[0], len(widths), h)
+def _heads(x: torch.Tensor, widths: list[int], h: int, first: int = 0) -> torch.Tensor:
+    """[N, Σ widths] -> [first + N, heads, h]: `first` zero rows, then x's, each head zero-padded to h (x itself,
+    reshaped, where every head is h wide and first is 0)."""
+    n, heads = x.shape[0], len(widths)
+    if first == 0 and all(w == h for w in widths):
+        return x.reshape(n, heads, h).contiguous()
+    out = x.new_zeros(first + n, heads, h)
+    if all(w == widths[0] for w in widths):  # one width: one strided copy
+        out[first:, :, :widths[0]] = x.view(n, heads, widths[0])
+        return out
     at = 0
     for g, w in enumerate(widths):
-        out[:, g, :w] = x[:, at:at + w]
+        out[first:, g, :w] = x[:, at:at + w]
         at += w
     return out
