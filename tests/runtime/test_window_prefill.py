@@ -46,3 +46,33 @@ def test_a_windowed_prefill_reads_each_querys_sinks_and_window_whole(s, t, d_k, 
         keys, values = torch.where(whole, k[:i + 1], k_coded[:i + 1]), torch.where(whole, v[:i + 1], v_coded[:i + 1])
         want = reference_attention(q[row][None, None], keys[None], values[None], d_k, d_v, group, scaling=0.2)[0, 0]
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("s", "t", "width", "group", "sinks", "window"),
+                         [(300, 300, 64, 3, 16, 64), (200, 77, 128, 5, 4, 32), (90, 90, 32, 6, 7, 0)])
+def test_the_whole_part_of_bfloat16_rows_in_pairs_is_the_float32_one(s, t, width, group, sinks, window, monkeypatch):
+    """cpu_bits.c kvfold_window_part_bf16 (AVX512-BF16: pairs of numbers a lane, the probabilities rounded to
+    bfloat16) against the torch twin in float32 on the same bfloat16 numbers: log-sum-exps as exact, outputs within
+    the probabilities' rounding. Two KV heads, uneven sink and window starts, a chunk."""
+    from kvfold_runtime.kernels import cpu_window
+
+    fns = cpu_window._functions()
+    if fns is None or fns[1] is None:
+        pytest.skip("this CPU has no AVX512-BF16 (the float32 kernel serves bfloat16 rows there)")
+    ran = []
+
+    def counted(*args):
+        ran.append(1)
+        return fns[1](*args)
+
+    monkeypatch.setattr(cpu_window, "_functions", lambda: (fns[0], counted))
+    g = torch.Generator().manual_seed(s + width)
+    rows = whole_positions(s, t, sinks, window).shape[0]
+    q = torch.randn(t, group * 2 * width, generator=g).bfloat16()
+    k, v = torch.randn(rows, 2 * width, generator=g).bfloat16(), torch.randn(rows, 2 * width, generator=g).bfloat16()
+    args = ([width] * 2, [width] * 2, group, 0.2, sinks, window, s)
+    got = window_part_c(q, k, v, *args)
+    want = _whole(q.float(), k.float(), v.float(), *args)
+    assert ran, "the bfloat16 kernel did not run"
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=8e-3)

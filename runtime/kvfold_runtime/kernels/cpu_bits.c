@@ -1246,3 +1246,165 @@ void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float 
     }
     free(kt);
 }
+
+#if KVFOLD_SIMD && VW == 16 && defined(__AVX512BF16__)
+/* kvfold_window_part for bfloat16 rows and queries (the model's dtype; products of two bfloat16 are exact in
+ * float32), on CPUs with AVX512-BF16: one instruction takes a pair of numbers a lane (vdpbf16ps), so a score or an
+ * output costs half the float32 kernel's instructions. Keys: pairs of dims transposed (kp[pair][row]: a 32-bit word
+ * holds a row's dims 2c and 2c + 1, one vector 16 rows); values: pairs of rows (vp[row / 2][dim]: a word holds a
+ * dim of rows 2r and 2r + 1), dotted with the probabilities as bfloat16 pairs (rounded from float32: ≤ 2^−9 of
+ * each weight, the output's own precision). Every head's key and value widths equal and a multiple of 32 (the
+ * caller checks): 1 when done, 0 when a buffer could not be allocated (nothing written). */
+static inline __m512 dp_pairs(__m512 acc, uint32_t pair, const uint32_t *words) {
+    __m512i w;
+    memcpy(&w, words, sizeof w);
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pair), (__m512bh)w);
+}
+
+/* the scores of NQ queries (their dim pairs qs[j]) over `count` held rows from `from` on, as window_scores */
+static inline __attribute__((always_inline)) void window_scores_bf16(const uint32_t *kp, int64_t cols, int32_t pairs,
+                                                                     const uint32_t *const *qs, int64_t from,
+                                                                     int64_t count, float scaling, float *score,
+                                                                     int64_t stride, const int NQ) {
+    for (int64_t r = 0; r < count; r += 4 * VW) {
+        const int64_t nb = (count - r + VW - 1) / VW;
+        __m512 acc[4][4];
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < 4; b++) acc[j][b] = _mm512_setzero_ps();
+        for (int32_t c = 0; c < pairs; c++) {
+            const uint32_t *kc = kp + c * cols + from + r;
+            for (int b = 0; b < 4; b++) {
+                if (b >= nb) break;
+                for (int j = 0; j < NQ; j++) acc[j][b] = dp_pairs(acc[j][b], qs[j][c], kc + b * VW);
+            }
+        }
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < 4 && b < nb; b++)
+                _mm512_storeu_ps(score + j * stride + r + b * VW, _mm512_mul_ps(acc[j][b], _mm512_set1_ps(scaling)));
+    }
+}
+
+/* held rows [from, from + count) of NQ queries' probabilities (prob[j · stride + x] for row from + x) into the
+ * outputs acc[j][NV]: row pairs from the even row at or below `from`, a row outside the range weighted 0 */
+static inline __attribute__((always_inline)) void window_values_bf16(const uint32_t *vp, int64_t vp_width,
+                                                                     const float *prob, int64_t stride, int64_t from,
+                                                                     int64_t count, uint16_t *pbuf, __m512 acc[4][8],
+                                                                     const int NQ, const int NV) {
+    if (count <= 0) return;
+    const int64_t base = from & ~(int64_t)1, pairs = (from + count - base + 1) / 2;
+    for (int j = 0; j < NQ; j++) { /* the range's probabilities as bfloat16 from `base` on, zero around them */
+        uint16_t *pj = pbuf + j * (stride + 2 * VW);
+        float tmp[VW];
+        pj[0] = 0;
+        for (int64_t x = 0; x < count + 1; x += VW) {
+            for (int l = 0; l < VW; l++) tmp[l] = x + l < count ? prob[j * stride + x + l] : 0.0f;
+            __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(tmp));
+            memcpy(pj + (from - base) + x, &h, sizeof h);
+        }
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint32_t *vr = vp + (base / 2 + p) * vp_width;
+        for (int c = 0; c < NV; c++)
+            for (int j = 0; j < NQ; j++) {
+                uint32_t pair;
+                memcpy(&pair, pbuf + j * (stride + 2 * VW) + 2 * p, 4);
+                acc[j][c] = dp_pairs(acc[j][c], pair, vr + c * VW);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void window_queries_bf16(
+    const uint32_t *kp, int64_t cols, const uint32_t *vp, int64_t vp_width, const uint32_t *const *qs, int64_t sink_end,
+    int64_t window_from, int64_t n, float scaling, float *score, int64_t stride, uint16_t *pbuf, float *const *oj,
+    float *lse, const int NQ, const int NV) {
+    const int32_t pairs = NV * VW / 2;
+    window_scores_bf16(kp, cols, pairs, qs, 0, sink_end, scaling, score, stride, NQ);
+    window_scores_bf16(kp, cols, pairs, qs, window_from, n - sink_end, scaling, score + sink_end, stride, NQ);
+    float sum[4];
+    for (int j = 0; j < NQ; j++) { /* softmax in float32, as window_queries */
+        float *sj = score + j * stride, m = -INFINITY;
+        for (int64_t r = 0; r < n; r++) m = sj[r] > m ? sj[r] : m;
+        for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) sj[r] = m;
+        vf total = {0};
+        for (int64_t r = 0; r < n; r += VW) {
+            vf e = expv(loadv(sj + r) - m);
+            storev(sj + r, e);
+            total += r + VW <= n ? e : (vf){0};
+        }
+        sum[j] = sumv(total);
+        for (int64_t r = n / VW * VW; r < n; r++) sum[j] += sj[r];
+        lse[j] = m + logf(sum[j]);
+    }
+    __m512 acc[4][8];
+    for (int j = 0; j < NQ; j++)
+        for (int c = 0; c < NV; c++) acc[j][c] = _mm512_setzero_ps();
+    window_values_bf16(vp, vp_width, score, stride, 0, sink_end, pbuf, acc, NQ, NV);
+    window_values_bf16(vp, vp_width, score + sink_end, stride, window_from, n - sink_end, pbuf, acc, NQ, NV);
+    for (int j = 0; j < NQ; j++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(oj[j] + c * VW, _mm512_div_ps(acc[j][c], _mm512_set1_ps(sum[j])));
+}
+
+int kvfold_window_part_bf16(const uint16_t *q, int64_t t, int64_t q_width, const uint16_t *k, int64_t n_held,
+                            int64_t k_stride, const uint16_t *v, int64_t v_stride, const int32_t *d_k,
+                            const int32_t *d_v, int32_t n_kv, int32_t group, int64_t s, int64_t sinks, int64_t window,
+                            float scaling, float *out, int64_t widest, float *lse) {
+    (void)d_v; /* each head's, equal to d_k (the caller checks) */
+    const int64_t n_sinks = sinks < s ? sinks : s, lo = s - (n_held - n_sinks);
+    const int64_t cols = (n_held + VW - 1) / VW * VW + 4 * VW, row_pairs = (n_held + 1) / 2 + 1;
+    int64_t width = 0;
+    for (int32_t g = 0; g < n_kv; g++) width += d_k[g];
+    uint32_t *kp = calloc((size_t)(width / 2 * cols), 4), *vp = calloc((size_t)(row_pairs * width), 4);
+    if (kp == NULL || vp == NULL) {
+        free(kp), free(vp);
+        return 0;
+    }
+#pragma omp parallel for schedule(static) if (n_held * width >= 65536)
+    for (int64_t r0 = 0; r0 < n_held; r0 += VW) /* VW rows at a time: each row read once */
+        for (int64_t c = 0; c < width / 2; c++)
+            for (int64_t r = r0; r < r0 + VW && r < n_held; r++) memcpy(kp + c * cols + r, k + r * k_stride + 2 * c, 4);
+#pragma omp parallel for schedule(static) if (n_held * width >= 65536)
+    for (int64_t r = 0; r < n_held; r++)
+        for (int64_t c = 0; c < width; c++) ((uint16_t *)(vp + r / 2 * width + c))[r % 2] = v[r * v_stride + c];
+#pragma omp parallel for schedule(static) if (t * n_kv >= 64)
+    for (int64_t task = 0; task < t * n_kv; task++) {
+        const int64_t row = task / n_kv, i = s - t + row;
+        const int32_t g = (int32_t)(task % n_kv), dk = d_k[g];
+        int64_t at = 0;
+        for (int32_t h = 0; h < g; h++) at += d_k[h];
+        int64_t first = i - window + 1;
+        first = first > sinks ? first : sinks;
+        const int64_t sink_end = i + 1 < n_sinks ? i + 1 : n_sinks, window_from = n_sinks + first - lo;
+        const int64_t n = sink_end + (i + 1 > first ? i + 1 - first : 0), stride = (n + VW - 1) / VW * VW + VW;
+        float score[4 * stride];
+        uint16_t pbuf[4 * (stride + 2 * VW)];
+        const uint16_t *qg = q + row * q_width + q_at_of(d_k, g, group);
+        float *og = out + (row * n_kv + g) * group * widest, *lg = lse + (row * n_kv + g) * group;
+        const int nv = dk / VW, per = nv <= 4 ? 4 : 2;
+        for (int32_t j = 0; j < group; j += per) {
+            const int nq = group - j < per ? group - j : per;
+            const uint32_t *qs[4];
+            float *os[4];
+            for (int e = 0; e < nq; e++) qs[e] = (const uint32_t *)(qg + (j + e) * dk), os[e] = og + (j + e) * widest;
+#define WINDOW_QUERIES(NQ, NV)                                                                                         \
+    window_queries_bf16(kp + at / 2 * cols, cols, vp + at, width, qs, sink_end, window_from, n, scaling, score, stride, \
+                        pbuf, os, lg + j, NQ, NV)
+            switch (nq * 16 + nv) {
+            case 0x12: WINDOW_QUERIES(1, 2); break;
+            case 0x22: WINDOW_QUERIES(2, 2); break;
+            case 0x32: WINDOW_QUERIES(3, 2); break;
+            case 0x42: WINDOW_QUERIES(4, 2); break;
+            case 0x14: WINDOW_QUERIES(1, 4); break;
+            case 0x24: WINDOW_QUERIES(2, 4); break;
+            case 0x34: WINDOW_QUERIES(3, 4); break;
+            case 0x44: WINDOW_QUERIES(4, 4); break;
+            case 0x18: WINDOW_QUERIES(1, 8); break;
+            case 0x28: WINDOW_QUERIES(2, 8); break;
+            default: __builtin_unreachable(); /* widths 32, 64 or 128 (the caller checks) */
+            }
+#undef WINDOW_QUERIES
+        }
+    }
+    free(kp), free(vp);
+    return 1;
+}
+#endif

@@ -56,8 +56,9 @@ def windowed_prefill(q: torch.Tensor, k_coded: torch.Tensor, v_coded: torch.Tens
     causal attention with the extra key (cpu_prefill.prefill_attention), SDPA where None or it gives None."""
     t, s = q.shape[0], k_coded.shape[0]
     f32 = torch.float32
-    whole = (q.to(f32), k_whole.to(f32), v_whole.to(f32), d_k, d_v, group, scaling, sinks, window, s)
-    o_whole, lse = window_part_c(*whole) or _whole(*whole)
+    whole = (d_k, d_v, group, scaling, sinks, window, s)
+    o_whole, lse = window_part_c(q, k_whole, v_whole, *whole) or _whole(q.to(f32), k_whole.to(f32), v_whole.to(f32),
+                                                                        *whole)
     first = max(0, sinks + window - (s - t))  # the step's first query that reads some codes
     if first >= t:
         return _packed(o_whole, d_v, t).to(q.dtype)
