@@ -15,7 +15,8 @@ CASES = [  # s, t, d_k, d_v, group, sinks, window
     (50, 50, [6, 3], [5, 8], 2, 7, 0), (20, 20, [8], [8], 1, 0, 4), (10, 4, [32], [32], 4, 16, 64),
     # the C path's queries a few at a time over transposed keys: groups of 5 and 7 (two, three batches), 128-wide
     # heads, no window (sinks only), a chunk
-    (200, 200, [128, 128], [128, 128], 5, 4, 32), (40, 40, [32], [32], 6, 4, 0), (120, 50, [64, 64], [64, 64], 7, 16, 20)]
+    (200, 200, [128, 128], [128, 128], 5, 4, 32), (40, 40, [32], [32], 6, 4, 0),
+    (120, 50, [64, 64], [64, 64], 7, 16, 20)]
 
 
 @pytest.mark.parametrize(("s", "t", "d_k", "d_v", "group", "sinks", "window"), CASES)
