@@ -1185,7 +1185,7 @@ static inline __attribute__((always_inline)) void window_queries(const float *kt
  * One (query, KV head) a task. Heads whose key and value widths are the same whole number of vectors (64, 128)
  * score from the keys transposed once per call (kt: a vector holds VW rows' dim c, so a score needs no sum across
  * lanes) and take their group's queries a few at a time, each key and value vector loaded once for them: one
- * SmolLM2 layer at 4K tokens on one AVX-512 core, 21 ms one query and one key at a time, XX ms so. Other widths
+ * SmolLM2 layer at 4K tokens on one AVX-512 core, 21 ms one query and one key at a time, 19 ms so. Other widths
  * (and where the transposed keys cannot be allocated): one query at a time (window_query). */
 void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float *k, int64_t n_held, int64_t k_stride,
                         const float *v, int64_t v_stride, const int32_t *d_k, const int32_t *d_v, int32_t n_kv, int32_t group,
