@@ -1294,11 +1294,10 @@ static inline __attribute__((always_inline)) void window_values_bf16(const uint3
     const int64_t base = from & ~(int64_t)1, pairs = (from + count - base + 1) / 2;
     for (int j = 0; j < NQ; j++) { /* the range's probabilities as bfloat16 from `base` on, zero around them */
         uint16_t *pj = pbuf + j * (stride + 2 * VW);
-        float tmp[VW];
         pj[0] = 0;
-        for (int64_t x = 0; x < count + 1; x += VW) {
-            for (int l = 0; l < VW; l++) tmp[l] = x + l < count ? prob[j * stride + x + l] : 0.0f;
-            __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(tmp));
+        for (int64_t x = 0; x < count + 1; x += VW) { /* lanes past `count` load as 0 */
+            const __mmask16 in = x + VW <= count ? 0xffff : (__mmask16)((1u << (count > x ? count - x : 0)) - 1);
+            __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, prob + j * stride + x));
             memcpy(pj + (from - base) + x, &h, sizeof h);
         }
     }
@@ -1322,8 +1321,12 @@ static inline __attribute__((always_inline)) void window_queries_bf16(
     window_scores_bf16(kp, cols, pairs, qs, window_from, n - sink_end, scaling, score + sink_end, stride, NQ);
     float sum[4];
     for (int j = 0; j < NQ; j++) { /* softmax in float32, as window_queries */
-        float *sj = score + j * stride, m = -INFINITY;
-        for (int64_t r = 0; r < n; r++) m = sj[r] > m ? sj[r] : m;
+        float *sj = score + j * stride, m;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t r = 0; r < n; r += VW) /* lanes past n (other scores' writes) load as −inf */
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
+                                                          r + VW <= n ? 0xffff : (__mmask16)((1u << (n - r)) - 1), sj + r));
+        m = _mm512_reduce_max_ps(top);
         for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) sj[r] = m;
         vf total = {0};
         for (int64_t r = 0; r < n; r += VW) {
