@@ -1026,9 +1026,6 @@ int kvfold_decode_layer(const int64_t *layer, const void *k, int64_t k_stride, c
     return failed;
 }
 
-/* One query's attention over n whole rows (row r at rows_at(r)): out normalised, the log-sum-exp returned. NV > 0:
- * key and value widths both NV vectors (compile-time, so the query and the sums stay in registers); 0: any widths.
- * `score` holds n rounded up to whole vectors plus one. */
 typedef struct {
     const float *k, *v;
     int64_t k_stride, v_stride, sink_end, window_row; /* row r ≥ sink_end is k[window_row + r − sink_end] */
@@ -1039,51 +1036,45 @@ static inline __attribute__((always_inline)) const float *window_row(const windo
     return base + (r < w->sink_end ? r : w->window_row + r - w->sink_end) * stride;
 }
 
-static inline __attribute__((always_inline)) float window_query(const float *qj, const window_rows *w, int64_t n,
-                                                                int32_t dk, int32_t dv, float scaling, float *score,
-                                                                float *oj, const int NV) {
-    float m = -INFINITY, sum = 0.0f;
-    vf qv[NV > 0 ? NV : 1];
-    for (int c = 0; c < NV; c++) qv[c] = loadv(qj + c * VW);
+/* score[r] = e^(score[r] − m) for r < n, whole vectors (the lanes up to the next multiple of VW set to m first, so
+ * they read e^0), and the sum of the n. score holds n rounded up to whole vectors. */
+static inline float exp_sum(float *score, int64_t n, float m) {
+    for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) score[r] = m;
+    vf total = {0};
+    for (int64_t r = 0; r < n; r += VW) {
+        vf e = expv(loadv(score + r) - m);
+        storev(score + r, e);
+        total += r + VW <= n ? e : (vf){0}; /* the padded lanes past n are e^0 */
+    }
+    float sum = sumv(total);
+    for (int64_t r = n / VW * VW; r < n; r++) sum += score[r]; /* the last partial vector's own lanes */
+    return sum;
+}
+
+/* One query's attention over its n whole rows (window_rows w), any widths: out normalised, the log-sum-exp returned.
+ * `score` holds n rounded up to whole vectors. Heads of one width in whole vectors take window_queries below. */
+static float window_query(const float *qj, const window_rows *w, int64_t n, int32_t dk, int32_t dv, float scaling,
+                          float *score, float *oj) {
+    float m = -INFINITY;
     for (int64_t r = 0; r < n; r++) {
         const float *kr = window_row(w, w->k, w->k_stride, r);
-        float d;
-        if (NV > 0) {
-            vf dot = qv[0] * loadv(kr);
-            for (int c = 1; c < NV; c++) dot = dot + qv[c] * loadv(kr + c * VW);
-            d = sumv(dot);
-        } else {
-            int32_t c = 0;
-            vf dot = {0};
-            for (; c + VW <= dk; c += VW) dot = dot + loadv(qj + c) * loadv(kr + c);
-            d = sumv(dot);
-            for (; c < dk; c++) d += qj[c] * kr[c];
-        }
+        int32_t c = 0;
+        vf dot = {0};
+        for (; c + VW <= dk; c += VW) dot = dot + loadv(qj + c) * loadv(kr + c);
+        float d = sumv(dot);
+        for (; c < dk; c++) d += qj[c] * kr[c];
         score[r] = d * scaling;
         m = score[r] > m ? score[r] : m;
     }
-    for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) score[r] = m;
-    for (int64_t r = 0; r < n; r += VW) storev(score + r, expv(loadv(score + r) - m)); /* e^(score − max) */
-    if (NV > 0) {
-        vf acc[NV > 0 ? NV : 1];
-        for (int c = 0; c < NV; c++) acc[c] = (vf){0};
-        for (int64_t r = 0; r < n; r++) {
-            const float *vr = window_row(w, w->v, w->v_stride, r);
-            sum += score[r];
-            for (int c = 0; c < NV; c++) acc[c] = acc[c] + score[r] * loadv(vr + c * VW);
-        }
-        for (int c = 0; c < NV; c++) storev(oj + c * VW, acc[c] / sum);
-    } else {
-        for (int32_t c = 0; c < dv; c++) oj[c] = 0.0f;
-        for (int64_t r = 0; r < n; r++) {
-            const float *vr = window_row(w, w->v, w->v_stride, r);
-            sum += score[r];
-            int32_t c = 0;
-            for (; c + VW <= dv; c += VW) storev(oj + c, loadv(oj + c) + score[r] * loadv(vr + c));
-            for (; c < dv; c++) oj[c] += score[r] * vr[c];
-        }
-        for (int32_t c = 0; c < dv; c++) oj[c] /= sum;
+    const float sum = exp_sum(score, n, m);
+    for (int32_t c = 0; c < dv; c++) oj[c] = 0.0f;
+    for (int64_t r = 0; r < n; r++) {
+        const float *vr = window_row(w, w->v, w->v_stride, r);
+        int32_t c = 0;
+        for (; c + VW <= dv; c += VW) storev(oj + c, loadv(oj + c) + score[r] * loadv(vr + c));
+        for (; c < dv; c++) oj[c] += score[r] * vr[c];
     }
+    for (int32_t c = 0; c < dv; c++) oj[c] /= sum;
     return m + logf(sum);
 }
 
@@ -1109,6 +1100,23 @@ static inline vf splat(float x) {
     return (vf){0} + x;
 #endif
 }
+
+/* CALL(NQ, NV) with compile-time counts for nq queries (≤ 4; ≤ 2 where nv is 8) and nv vectors a head (2, 4 or 8),
+ * so a kernel's sums stay in registers. */
+#define WITH_COUNTS(nq, nv, CALL)                                                                                      \
+    switch ((nq) * 16 + (nv)) {                                                                                        \
+    case 0x12: CALL(1, 2); break;                                                                                      \
+    case 0x22: CALL(2, 2); break;                                                                                      \
+    case 0x32: CALL(3, 2); break;                                                                                      \
+    case 0x42: CALL(4, 2); break;                                                                                      \
+    case 0x14: CALL(1, 4); break;                                                                                      \
+    case 0x24: CALL(2, 4); break;                                                                                      \
+    case 0x34: CALL(3, 4); break;                                                                                      \
+    case 0x44: CALL(4, 4); break;                                                                                      \
+    case 0x18: CALL(1, 8); break;                                                                                      \
+    case 0x28: CALL(2, 8); break;                                                                                      \
+    default: __builtin_unreachable();                                                                                  \
+    }
 
 /* The scores of NQ queries qs[j] (dk floats each) over `count` held rows from `from` on, scaled, into
  * score[j · stride + r]: up to 4 vectors of rows at a time from the transposed keys kt [dk][cols], dim by dim, each
@@ -1152,15 +1160,7 @@ static inline __attribute__((always_inline)) void window_queries(const float *kt
     for (int j = 0; j < NQ; j++) {
         float *sj = score + j * stride, m = -INFINITY;
         for (int64_t r = 0; r < n; r++) m = sj[r] > m ? sj[r] : m;
-        for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) sj[r] = m;
-        vf total = {0};
-        for (int64_t r = 0; r < n; r += VW) {
-            vf e = expv(loadv(sj + r) - m);
-            storev(sj + r, e);
-            total += r + VW <= n ? e : (vf){0}; /* the padded lanes past n are e^0 */
-        }
-        sum[j] = sumv(total);
-        for (int64_t r = n / VW * VW; r < n; r++) sum[j] += sj[r]; /* the last partial vector's own lanes */
+        sum[j] = exp_sum(sj, n, m);
         lse[j] = m + logf(sum[j]);
     }
     vf acc[4][NV];
@@ -1226,23 +1226,11 @@ void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float 
             for (int e = 0; e < nq; e++) qs[e] = qg + (j + e) * dk, os[e] = og + (j + e) * widest;
             const float *ktg = kt + k_at * cols;
 #define WINDOW_QUERIES(NQ, NV) window_queries(ktg, cols, qs, &w, n, w.window_row, scaling, score, stride, os, lg + j, NQ, NV)
-            switch (nq * 16 + nv) { /* compile-time counts: the sums in registers */
-            case 0x12: WINDOW_QUERIES(1, 2); break;
-            case 0x22: WINDOW_QUERIES(2, 2); break;
-            case 0x32: WINDOW_QUERIES(3, 2); break;
-            case 0x42: WINDOW_QUERIES(4, 2); break;
-            case 0x14: WINDOW_QUERIES(1, 4); break;
-            case 0x24: WINDOW_QUERIES(2, 4); break;
-            case 0x34: WINDOW_QUERIES(3, 4); break;
-            case 0x44: WINDOW_QUERIES(4, 4); break;
-            case 0x18: WINDOW_QUERIES(1, 8); break;
-            case 0x28: WINDOW_QUERIES(2, 8); break;
-            default: __builtin_unreachable(); /* nv is 2, 4 or 8 and nq ≤ per */
-            }
+            WITH_COUNTS(nq, nv, WINDOW_QUERIES);
 #undef WINDOW_QUERIES
         }
         for (int32_t j = 0; j < group && nv == 0; j++)
-            lg[j] = window_query(qg + j * dk, &w, n, dk, dv, scaling, score, og + j * widest, 0);
+            lg[j] = window_query(qg + j * dk, &w, n, dk, dv, scaling, score, og + j * widest);
     }
     free(kt);
 }
@@ -1327,15 +1315,7 @@ static inline __attribute__((always_inline)) void window_queries_bf16(
             top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
                                                           r + VW <= n ? 0xffff : (__mmask16)((1u << (n - r)) - 1), sj + r));
         m = _mm512_reduce_max_ps(top);
-        for (int64_t r = n; r < (n + VW - 1) / VW * VW; r++) sj[r] = m;
-        vf total = {0};
-        for (int64_t r = 0; r < n; r += VW) {
-            vf e = expv(loadv(sj + r) - m);
-            storev(sj + r, e);
-            total += r + VW <= n ? e : (vf){0};
-        }
-        sum[j] = sumv(total);
-        for (int64_t r = n / VW * VW; r < n; r++) sum[j] += sj[r];
+        sum[j] = exp_sum(sj, n, m);
         lse[j] = m + logf(sum[j]);
     }
     __m512 acc[4][8];
@@ -1391,19 +1371,7 @@ int kvfold_window_part_bf16(const uint16_t *q, int64_t t, int64_t q_width, const
 #define WINDOW_QUERIES(NQ, NV)                                                                                         \
     window_queries_bf16(kp + at / 2 * cols, cols, vp + at, width, qs, sink_end, window_from, n, scaling, score, stride, \
                         pbuf, os, lg + j, NQ, NV)
-            switch (nq * 16 + nv) {
-            case 0x12: WINDOW_QUERIES(1, 2); break;
-            case 0x22: WINDOW_QUERIES(2, 2); break;
-            case 0x32: WINDOW_QUERIES(3, 2); break;
-            case 0x42: WINDOW_QUERIES(4, 2); break;
-            case 0x14: WINDOW_QUERIES(1, 4); break;
-            case 0x24: WINDOW_QUERIES(2, 4); break;
-            case 0x34: WINDOW_QUERIES(3, 4); break;
-            case 0x44: WINDOW_QUERIES(4, 4); break;
-            case 0x18: WINDOW_QUERIES(1, 8); break;
-            case 0x28: WINDOW_QUERIES(2, 8); break;
-            default: __builtin_unreachable(); /* widths 32, 64 or 128 (the caller checks) */
-            }
+            WITH_COUNTS(nq, nv, WINDOW_QUERIES);
 #undef WINDOW_QUERIES
         }
     }
