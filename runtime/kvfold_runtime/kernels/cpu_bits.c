@@ -1036,6 +1036,17 @@ static inline __attribute__((always_inline)) const float *window_row(const windo
     return base + (r < w->sink_end ? r : w->window_row + r - w->sink_end) * stride;
 }
 
+/* Query i's whole rows: the sink rows below it, then the window positions from max(sinks, i − window + 1) to i (held
+ * rows: n_sinks sink rows, then positions [lo, s)) -> w's sink_end and window_row, and their count. */
+static inline int64_t window_span(int64_t i, int64_t sinks, int64_t window, int64_t n_sinks, int64_t lo,
+                                  window_rows *w) {
+    int64_t first = i - window + 1;
+    first = first > sinks ? first : sinks;
+    w->sink_end = i + 1 < n_sinks ? i + 1 : n_sinks;
+    w->window_row = n_sinks + first - lo;
+    return w->sink_end + (i + 1 > first ? i + 1 - first : 0);
+}
+
 /* score[r] = e^(score[r] − m) for r < n, whole vectors (the lanes up to the next multiple of VW set to m first, so
  * they read e^0), and the sum of the n. score holds n rounded up to whole vectors. */
 static inline float exp_sum(float *score, int64_t n, float m) {
@@ -1208,11 +1219,8 @@ void kvfold_window_part(const float *q, int64_t t, int64_t q_width, const float 
         const int32_t g = (int32_t)(task % n_kv), dk = d_k[g], dv = d_v[g];
         int64_t k_at = 0, v_at = 0;
         for (int32_t h = 0; h < g; h++) k_at += d_k[h], v_at += d_v[h];
-        /* the rows read: sink rows [0, min(n_sinks, i + 1)), then window positions from max(sinks, i − window + 1) */
-        int64_t first = i - window + 1;
-        first = first > sinks ? first : sinks;
-        window_rows w = {k + k_at, v + v_at, k_stride, v_stride, i + 1 < n_sinks ? i + 1 : n_sinks, n_sinks + first - lo};
-        const int64_t n = w.sink_end + (i + 1 > first ? i + 1 - first : 0), stride = (n + VW - 1) / VW * VW + VW;
+        window_rows w = {k + k_at, v + v_at, k_stride, v_stride, 0, 0};
+        const int64_t n = window_span(i, sinks, window, n_sinks, lo, &w), stride = (n + VW - 1) / VW * VW + VW;
         float score[4 * stride];
         const float *qg = q + row * q_width + q_at_of(d_k, g, group);
         float *og = out + (row * n_kv + g) * group * widest, *lg = lse + (row * n_kv + g) * group;
@@ -1354,10 +1362,8 @@ int kvfold_window_part_bf16(const uint16_t *q, int64_t t, int64_t q_width, const
         const int32_t g = (int32_t)(task % n_kv), dk = d_k[g];
         int64_t at = 0;
         for (int32_t h = 0; h < g; h++) at += d_k[h];
-        int64_t first = i - window + 1;
-        first = first > sinks ? first : sinks;
-        const int64_t sink_end = i + 1 < n_sinks ? i + 1 : n_sinks, window_from = n_sinks + first - lo;
-        const int64_t n = sink_end + (i + 1 > first ? i + 1 - first : 0), stride = (n + VW - 1) / VW * VW + VW;
+        window_rows w = {0}; /* its sink_end and window_row: the rows' addresses are kp's and vp's here */
+        const int64_t n = window_span(i, sinks, window, n_sinks, lo, &w), stride = (n + VW - 1) / VW * VW + VW;
         float score[4 * stride];
         uint16_t pbuf[4 * (stride + 2 * VW)];
         const uint16_t *qg = q + row * q_width + q_at_of(d_k, g, group);
@@ -1369,8 +1375,8 @@ int kvfold_window_part_bf16(const uint16_t *q, int64_t t, int64_t q_width, const
             float *os[4];
             for (int e = 0; e < nq; e++) qs[e] = (const uint32_t *)(qg + (j + e) * dk), os[e] = og + (j + e) * widest;
 #define WINDOW_QUERIES(NQ, NV)                                                                                         \
-    window_queries_bf16(kp + at / 2 * cols, cols, vp + at, width, qs, sink_end, window_from, n, scaling, score, stride, \
-                        pbuf, os, lg + j, NQ, NV)
+    window_queries_bf16(kp + at / 2 * cols, cols, vp + at, width, qs, w.sink_end, w.window_row, n, scaling, score,     \
+                        stride, pbuf, os, lg + j, NQ, NV)
             WITH_COUNTS(nq, nv, WINDOW_QUERIES);
 #undef WINDOW_QUERIES
         }

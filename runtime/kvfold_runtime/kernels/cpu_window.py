@@ -41,27 +41,25 @@ def window_part_c(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_k: list[i
     bfloat16; outputs float32) in one C call, or None where C does not run (no library, tensors off the CPU or
     not rows of unit stride in those dtypes)."""
     fns = _functions()
-    if fns is None or not all(x.device.type == "cpu" and x.stride(-1) == 1 for x in (q, k, v)):
+    if fns is None or not (q.dtype is k.dtype is v.dtype and q.dtype in (torch.float32, torch.bfloat16)
+                           and all(x.device.type == "cpu" and x.stride(-1) == 1 for x in (q, k, v))):
         return None
     fn, bf16 = fns
-    if q.dtype is k.dtype is v.dtype is torch.bfloat16:
-        # the bfloat16 kernel: pairs of dims, 16 lanes; each head's key and value widths equal, 32, 64 or 128
-        if bf16 is None or not all(dk == dv and dk in (32, 64, 128) for dk, dv in zip(d_k, d_v, strict=True)):
-            q, k, v, bf16 = q.float(), k.float(), v.float(), None
-    elif not (q.dtype is k.dtype is v.dtype is torch.float32):
-        return None
-    else:
-        bf16 = None
-    q = q.contiguous()
     t, heads = q.shape[0], len(d_k)
     out = q.new_zeros(t, heads, group, max(d_v), dtype=torch.float32)  # a narrower head's columns past its width: 0
     lse = q.new_empty(t, heads, group, dtype=torch.float32)
     widths_k, widths_v = torch.tensor(d_k, dtype=torch.int32), torch.tensor(d_v, dtype=torch.int32)
-    args = (q.data_ptr(), t, q.shape[1], k.data_ptr(), k.shape[0], k.stride(0), v.data_ptr(), v.stride(0),
-            widths_k.data_ptr(), widths_v.data_ptr(), heads, group, s, sinks, window, scaling, out.data_ptr(),
-            max(d_v), lse.data_ptr())
-    if bf16 is None or not bf16(*args):  # 0: its buffers could not be allocated
-        if q.dtype is not torch.float32:
-            return window_part_c(q.float(), k.float(), v.float(), d_k, d_v, group, scaling, sinks, window, s)
-        fn(*args)
+
+    def call(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        q = q.contiguous()
+        return kernel(q.data_ptr(), t, q.shape[1], k.data_ptr(), k.shape[0], k.stride(0), v.data_ptr(), v.stride(0),
+                      widths_k.data_ptr(), widths_v.data_ptr(), heads, group, s, sinks, window, scaling, out.data_ptr(),
+                      max(d_v), lse.data_ptr())
+
+    # the bfloat16 kernel: pairs of dims, 16 lanes; each head's key and value widths equal, 32, 64 or 128; it
+    # returns 0 where its buffers could not be allocated
+    if q.dtype is torch.bfloat16 and bf16 is not None and all(
+            dk == dv and dk in (32, 64, 128) for dk, dv in zip(d_k, d_v, strict=True)) and call(bf16, q, k, v):
+        return out, lse
+    call(fn, q.float(), k.float(), v.float())  # float32 rows (the same tensors where they are)
     return out, lse
