@@ -212,11 +212,73 @@ static void from_floats(const float *src, int32_t fmt, int64_t n, void *dst) {
     else for (int64_t i = 0; i < n; i++) h[i] = float_to_half(src[i]);
 }
 
-/* A band's squared error with its codes against scale s (bands._fit_log8), summed in float64. The errors first
- * (a loop without a carried dependency, for the vectoriser), then four running sums: one chain of dependent
- * float64 adds was most of the fit's time. (torch sums in its own order: the last bits of two nearly equal
- * candidates may differ.) */
+/* The encoder's loops (a band's |x| max, its squared errors, its codes): with AVX-512 sixteen dims at a time under
+ * a mask, no scalar remainder — a band is 8 to 40 dims, where the vectoriser's loops ran mostly their remainders
+ * (one SmolLM2 layer's 2,048 prefill rows on one core: 4.4 ms with those, 2.6 ms with these). Either way the same
+ * float32 operations dim by dim, so the same codes and scales. */
+#if KVFOLD_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVFOLD_ENCODE512 1
+/* The first min(count, 16) lanes. */
+static inline __mmask16 lanes_below(int count) {
+    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+}
+
+/* min(max(floor(x / s + half), 0), top), as the scalar loops compute it */
+static inline __m512 codes512(__m512 x, __m512 s, __m512 half, __m512 top) {
+    __m512 c = _mm512_add_ps(_mm512_div_ps(x, s), half);
+    c = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(c, _mm512_setzero_ps()), top);
+}
+#else
+#define KVFOLD_ENCODE512 0
+#endif
+
+/* |x| max of n floats as integers (a non-negative float orders as its bits; floats' ?: max is not a vector loop);
+ * a NaN counts as 0, as the float compare ignored it. */
+static inline float abs_max(const float *v, int n) {
+    uint32_t top_bits = 0;
+#if KVFOLD_ENCODE512
+    __m512i top = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 16) {
+        __m512i w = _mm512_maskz_loadu_epi32(lanes_below(n - i), v + i);
+        w = _mm512_and_si512(w, _mm512_set1_epi32(0x7fffffff));
+        w = _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(w, _mm512_set1_epi32(0x7f800000)), w);
+        top = _mm512_max_epu32(top, w);
+    }
+    top_bits = _mm512_reduce_max_epu32(top);
+#else
+    for (int i = 0; i < n; i++) {
+        uint32_t w;
+        memcpy(&w, v + i, 4);
+        w &= 0x7fffffffu;
+        w = w > 0x7f800000u ? 0u : w;
+        top_bits = w > top_bits ? w : top_bits;
+    }
+#endif
+    float amax;
+    memcpy(&amax, &top_bits, 4);
+    return amax;
+}
+
+/* A band's squared error with its codes against scale s (bands._fit_log8), summed in float64 (d² of a float32 is
+ * exact there). Scalar: the errors first (a loop without a carried dependency, for the vectoriser), then four
+ * running sums: one chain of dependent float64 adds was most of the fit's time. (torch sums in its own order: the
+ * last bits of two nearly equal candidates may differ.) */
 static double band_error(const float *v, int n, float scale, float half, float top) {
+#if KVFOLD_ENCODE512
+    const __m512 s = _mm512_set1_ps(scale), h = _mm512_set1_ps(half), t = _mm512_set1_ps(top);
+    const __m512 off = _mm512_set1_ps(0.5f - half);
+    __m512d e0 = _mm512_setzero_pd(), e1 = _mm512_setzero_pd();
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 k = lanes_below(n - i);
+        __m512 x = _mm512_maskz_loadu_ps(k, v + i);
+        __m512 d = _mm512_maskz_sub_ps(k, _mm512_mul_ps(_mm512_add_ps(codes512(x, s, h, t), off), s), x);
+        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+        e0 = _mm512_fmadd_pd(lo, lo, e0), e1 = _mm512_fmadd_pd(hi, hi, e1);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(e0, e1));
+#else
     float d[256];
     double e[4] = {0.0, 0.0, 0.0, 0.0};
     for (int at = 0; at < n; at += 256) { /* 256 dims at a time: any head_dim */
@@ -232,6 +294,24 @@ static double band_error(const float *v, int n, float scale, float half, float t
         for (; i < m; i++) e[0] += (double)d[i] * (double)d[i];
     }
     return (e[0] + e[1]) + (e[2] + e[3]);
+#endif
+}
+
+/* The codes floor(x / s + half) clamped to [0, top] of m ≤ 256 dims into q. */
+static inline void band_codes(const float *v, int m, float scale, float half, float top, uint8_t *q) {
+#if KVFOLD_ENCODE512
+    const __m512 s = _mm512_set1_ps(scale), h = _mm512_set1_ps(half), t = _mm512_set1_ps(top);
+    for (int i = 0; i < m; i += 16) {
+        __mmask16 k = lanes_below(m - i);
+        __m512i c = _mm512_cvttps_epi32(codes512(_mm512_maskz_loadu_ps(k, v + i), s, h, t));
+        _mm_mask_storeu_epi8(q + i, k, _mm512_cvtepi32_epi8(c));
+    }
+#else
+    for (int i = 0; i < m; i++) {
+        float c = floorf(v[i] / scale + half);
+        q[i] = (uint8_t)(c < 0.0f ? 0.0f : (c > top ? top : c));
+    }
+#endif
 }
 
 /* m codes of `bits` bits each, packed as a little-endian bit stream from dst on; returns where its next byte goes.
@@ -294,70 +374,6 @@ static inline int first_scale_at_least(const float *log8, float ideal) {
     return lo > 255 ? 255 : lo;
 }
 
-#if KVFOLD_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* A quantized log8 band of n ≤ 256 dims on AVX-512, sixteen at a time under a mask: no scalar remainder (a band is
- * 8 to 40 dims, where the vectoriser's loops ran mostly their remainders). The same operations lane by lane as
- * encode_segments' scalar loops, so the same codes and scale; the squared errors summed in float64 lanes (as
- * band_error, in another order than torch's: a near tie's last bits may differ). One SmolLM2 layer's 2,048 rows
- * (18 bands a row) on one core: 4.4 ms with the scalar loops, 2.6 ms here. */
-/* The first min(count, 16) lanes. */
-static inline __mmask16 lanes_below(int count) {
-    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
-}
-
-static inline __m512 band_codes512(__m512 x, __m512 s, __m512 half, __m512 top) {
-    __m512 c = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(x, s), half),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* floorf(x / s + half) */
-    return _mm512_min_ps(_mm512_max_ps(c, _mm512_setzero_ps()), top);
-}
-
-static double band_error512(const float *v, int n, float scale, float half, float top) {
-    const __m512 s = _mm512_set1_ps(scale), h = _mm512_set1_ps(half), t = _mm512_set1_ps(top);
-    const __m512 off = _mm512_set1_ps(0.5f - half);
-    __m512d e0 = _mm512_setzero_pd(), e1 = _mm512_setzero_pd();
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 k = lanes_below(n - i);
-        __m512 x = _mm512_maskz_loadu_ps(k, v + i);
-        __m512 d = _mm512_maskz_sub_ps(k, _mm512_mul_ps(_mm512_add_ps(band_codes512(x, s, h, t), off), s), x);
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
-        e0 = _mm512_fmadd_pd(lo, lo, e0), e1 = _mm512_fmadd_pd(hi, hi, e1); /* d² is exact in float64 */
-    }
-    return _mm512_reduce_add_pd(_mm512_add_pd(e0, e1));
-}
-
-/* The band's scale byte into scale_byte, its codes into q [n]. */
-static void encode_band512(const float *v, int n, int bits, const float *log8, int32_t fit_steps, uint8_t *q,
-                           uint8_t *scale_byte) {
-    __m512i top_bits = _mm512_setzero_si512();
-    for (int i = 0; i < n; i += 16) { /* |x| max as integers; a NaN counts as 0 */
-        __mmask16 k = lanes_below(n - i);
-        __m512i w = _mm512_and_si512(_mm512_maskz_loadu_epi32(k, v + i), _mm512_set1_epi32(0x7fffffff));
-        w = _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(w, _mm512_set1_epi32(0x7f800000)), w);
-        top_bits = _mm512_max_epu32(top_bits, w);
-    }
-    uint32_t tb = _mm512_reduce_max_epu32(top_bits);
-    float amax;
-    memcpy(&amax, &tb, 4);
-    float ideal = amax / ((float)(1 << (bits - 1)) - 0.5f);
-    ideal = ideal < 1e-30f ? 1e-30f : ideal;
-    const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
-    int lo = first_scale_at_least(log8, ideal), fitted = lo;
-    double best = band_error512(v, n, log8[lo], half, top);
-    for (int c = lo - 1; c >= 0 && c >= lo - fit_steps; c--) {
-        double e = band_error512(v, n, log8[c], half, top);
-        if (e < best) best = e, fitted = c;
-    }
-    *scale_byte = (uint8_t)fitted;
-    const __m512 s = _mm512_set1_ps(log8[fitted]), h = _mm512_set1_ps(half), t = _mm512_set1_ps(top);
-    for (int i = 0; i < n; i += 16) {
-        __mmask16 k = lanes_below(n - i);
-        __m512i c = _mm512_cvttps_epi32(band_codes512(_mm512_maskz_loadu_ps(k, v + i), s, h, t));
-        _mm_mask_storeu_epi8(q + i, k, _mm512_cvtepi32_epi8(c));
-    }
-}
-#endif
-
 /* One row's segments into its bytes: bands.quantize's bytes exactly. A quantized band's covering scale is the
  * smallest stored scale ≥ absmax / (2^(b−1) − ½) (a log8 byte: the first of the 256 table scales not below it; a
  * float16: rounded, then one step up if below); a log8 band then takes, of it and the fit_steps bytes below it,
@@ -378,26 +394,7 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
             }
             continue;
         }
-#if KVFOLD_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-        if (kind == 1 && n <= 256) { /* a log8 band: all of it in vectors */
-            uint8_t q[256];
-            encode_band512(v, n, bits, log8, fit_steps, q, row + scale_at);
-            pack_codes(q, n, bits, dst);
-            continue;
-        }
-#endif
-        /* |x| max as integers (a vector loop; floats' ?: max is not one): a non-negative float orders as its bits;
-         * a NaN counts as 0, as the float compare ignored it */
-        uint32_t top_bits = 0;
-        for (int i = 0; i < n; i++) {
-            uint32_t w;
-            memcpy(&w, v + i, 4);
-            w &= 0x7fffffffu;
-            w = w > 0x7f800000u ? 0u : w;
-            top_bits = w > top_bits ? w : top_bits;
-        }
-        float amax;
-        memcpy(&amax, &top_bits, 4);
+        float amax = abs_max(v, n);
         float ideal = amax / ((float)(1 << (bits - 1)) - 0.5f), scale;
         ideal = ideal < 1e-30f ? 1e-30f : ideal;
         const float half = (float)(1 << (bits - 1)), top = (float)((1 << bits) - 1);
@@ -420,10 +417,7 @@ static void encode_segments(const float *x, const int32_t *segments, int32_t n_s
         for (int at = 0; at < n; at += 256) { /* the codes first (a vector loop), then packed: any head_dim */
             int m = n - at < 256 ? n - at : 256;
             uint8_t q[256];
-            for (int i = 0; i < m; i++) {
-                float c = floorf(v[at + i] / scale + half);
-                q[i] = (uint8_t)(c < 0.0f ? 0.0f : (c > top ? top : c));
-            }
+            band_codes(v + at, m, scale, half, top, q);
             dst = pack_codes(q, m, bits, dst);
         }
     }
