@@ -30,7 +30,7 @@ from kvfold_runtime.bands import FIT_STEPS, Band, encode_heads, log8_scales, row
 from kvfold_runtime.kernels import cpu_bits
 from kvfold_runtime.kernels.bits_table import SCALE_KINDS, band_table, unpack
 
-__all__ = ["decode_rows", "encode_rows"]
+__all__ = ["WriterTables", "decode_rows", "encode_rows", "writer_tables"]
 
 _log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def decode_rows(rows: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[
 
 
 @dataclass(frozen=True)
-class _Writer:
+class WriterTables:
     """Per kept dim and per quantized band of a layer's row, as index tensors (bands.encode_heads' layout)."""
 
     band_dims: torch.Tensor  # [B, M] the dims of each quantized band, padded with D (a column of zeros)
@@ -135,7 +135,7 @@ class _Writer:
 
 
 @functools.lru_cache(maxsize=256)
-def _writer(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...], device: str) -> _Writer | None:
+def writer_tables(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...], device: str) -> WriterTables | None:
     """The layer's writer tables, or None when a band keeps its scale as float16 (exports before schema 1.6:
     bands.encode_heads writes those)."""
     if any(b.scaled and b.scale != "log8" for head in bands for b in head):
@@ -162,7 +162,7 @@ def _writer(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...], device
          "half": torch.where(quantized, 2.0 ** (bits.clamp(min=1) - 1).float(), 0.0),
          "top": torch.where(quantized, 2.0 ** bits.float() - 1, 0.0), "shift": shift.int(), "lo": byte,
          "hi": (byte + 1).clamp(max=total - 1), "quantized": quantized, "f16": bits == 16}
-    return _Writer(**{k: v.to(device) for k, v in t.items()}, row_bytes=total)
+    return WriterTables(**{k: v.to(device) for k, v in t.items()}, row_bytes=total)
 
 
 def _encode(x, band_dims, levels, scale_at, band, half, top, shift, lo, hi, quantized, f16, scales, n_bytes: int):
@@ -202,7 +202,7 @@ def encode_rows(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tuple[Ban
         from kvfold_runtime.kernels import triton_encode
 
         return triton_encode.encode_rows_triton(x, widths, bands)
-    w = _writer(tuple(widths), tuple(tuple(h) for h in bands), str(x.device))
+    w = writer_tables(tuple(widths), tuple(tuple(h) for h in bands), str(x.device))
     if w is None or x.numel() == 0:
         return encode_heads(x, widths, bands)
     flat = x.reshape(-1, x.shape[-1])

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
-from kvfold_runtime.kernels.torch_bits import _writer
+from kvfold_runtime.kernels.torch_bits import writer_tables
 from kvfold_runtime.pages import PageLayout
 
 __all__ = ["copy_rows", "encode_rows_triton", "write_pages"]
@@ -109,7 +109,7 @@ _ASM = tl.constexpr(isinstance(_encode_kernel, JITFunction) and torch.version.hi
 @functools.lru_cache(maxsize=256)
 def _tables(widths: tuple[int, ...], bands: tuple[tuple[Band, ...], ...], device: str) -> dict | None:
     """torch_bits' writer tables in the kernel's types, or None where that writer has none (float16 scales)."""
-    w = _writer(widths, bands, device)
+    w = writer_tables(widths, bands, device)
     if w is None:
         return None
     kind = torch.where(w.quantized, 1, torch.where(w.f16, 2, 0))
