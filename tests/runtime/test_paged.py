@@ -143,7 +143,7 @@ def _banded(d_k, d_v, group) -> LayerDims:
 @pytest.mark.parametrize("widths", list(WIDTHS.values()), ids=list(WIDTHS))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("reader", ["c", "c-scalar", "torch"])
-@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("bs", [4, 16, 20])  # 20: sixteen rows, then four, in one block (cpu_bits.c score_rows)
 def test_bits_cache_holds_the_band_rows_and_attends_on_what_they_decode_to(widths, window, reader, bs, monkeypatch):
     """A bits-format layer's paged cache: uint8 rows of exactly LayerDims.row_bytes() = the export's bytes per
     token, each encode_heads(keys) ++ encode_heads(values); attention over it (decodes, a prefill, a chunked
