@@ -838,8 +838,9 @@ static void attend(const uint8_t *blocks, const request_blocks *rq, int64_t firs
         /* Rows read in place (float32) and rows decoded into a buffer are scored and fetched differently: each way
          * measured the faster for its own rows on SmolLM2's 30 layers at 4K tokens (kvfold-bench kernels on CPU
          * does not time this; the figures are in docs/notebook.md). In place: the next block's lines of this head's
-         * rows fetched in one burst before the block, then query by query, four rows at a time. Decoded: four
-         * queries at a time from the buffer, the next block fetched meanwhile. */
+         * rows fetched in one burst before the block, then query by query, four rows at a time. Decoded: from the
+         * buffer by score_rows (sixteen rows a query with AVX-512, else four queries at a time), the next block
+         * fetched meanwhile. */
         if (k_direct) {
             if (next)
                 for (int64_t r = 0; r < block_size; r++) prefetch_row(next + r * row_bytes, span);
