@@ -197,3 +197,43 @@ def test_kvfold_int2_orth_rounds_keys_in_the_polar_factor_of_kvfolds_key_basis(s
         assert torch.allclose(k1[0, g].double(), y @ h @ r.T + mu[g], atol=1e-4)
     assert torch.allclose(v1, v2) and not torch.allclose(k1, k2)
     assert orth.kv_fraction == plain.kv_fraction
+
+
+def test_kvfold_gain_rounds_each_band_at_a_gaussian_step_of_one_gain_a_row(setup):
+    """kvfold-gain (methods/gain.py): a unit Gaussian through one b-bit band at g = 1 has Max's squared error; a row's
+    gain is its normalised root mean square as a log8 byte; values past the outermost level clip to it; the bytes
+    are the bands' codes plus one byte a row (none without the gain); keys stay ≥ 4 bits unless key_min says 2."""
+    from kvfold_bench.frontier.methods.gain import STEP, gain_roundtrip
+    from kvfold_runtime.bands import Band
+
+    torch.manual_seed(0)
+    x = torch.randn(20000, 16)
+    max_error = {2: 0.1188, 3: 0.03744, 4: 0.01154}  # Max 1960, table II
+    for bits, want in max_error.items():
+        y = gain_roundtrip(x, (Band(0, 16, bits),), torch.ones(16), gain=False)
+        assert ((x - y) ** 2).mean().item() == pytest.approx(want, rel=0.03)
+    row = torch.tensor([[3.0, -3.0, 3.0, -3.0, 100.0, 0.0, 0.0, 0.0]])
+    rms = torch.tensor([3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0])
+    out = gain_roundtrip(row, (Band(0, 4, 2), Band(4, 4, 16)), rms)
+    assert out[0, 4:].tolist() == [100.0, 0.0, 0.0, 0.0]  # a 16-bit band is float16, outside the gain
+    g = 1.0  # y = ±1 over the coded dims: gain 1, step STEP[2]; ±1 rounds to ±1.5 steps
+    assert torch.allclose(out[0, :4], torch.tensor([1.5, -1.5, 1.5, -1.5]) * STEP[2] * g * 3)
+    clipped = gain_roundtrip(torch.tensor([[50.0, 0.1, 0.1, 0.1]]), (Band(0, 4, 2),), torch.ones(4), gain=False)
+    assert clipped[0, 0].item() == pytest.approx(1.5 * STEP[2])
+
+    d = setup.model.config.head_dim
+    method = replace(METHODS["kvfold-gain"], grid=(3.0,))
+    (cand,) = method.candidates(setup)
+    (static,) = replace(METHODS["kvfold-gain-static"], grid=(3.0,)).candidates(setup)
+    layers = len(setup.bases("aware", "text"))
+    h_kv = setup.bases("aware", "text")[0].qk_b.shape[0]
+    rows = layers * h_kv * 2
+    assert cand.kv_fraction - static.kv_fraction == pytest.approx(rows / (rows * 2 * d))  # one byte a row
+    ref = frontier_logits(setup)
+    moved = (frontier_logits(setup, cand.patches) - ref).abs().mean()
+    assert moved > 1e-3
+    plan = method._plan(setup.bases("aware", "text"), 1e-2, 8)
+    assert min(b for layer in plan.k_bits for head in layer for b in head) >= 4
+    low = replace(method, key_min=2)._plan(setup.bases("aware", "text"), 1e-2, 8)
+    assert min(b for layer in low.k_bits for head in layer for b in head) < 4
+    assert all(b in (0, 2, 3, 4, 5, 6, 8, 16) for layer in low.v_bits for head in layer for b in head)

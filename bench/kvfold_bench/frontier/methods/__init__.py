@@ -12,6 +12,7 @@ from kvfold.errors import KVFoldError
 from .base import Candidate, Method
 from .bits import KVFoldBits
 from .fp8 import Fp8
+from .gain import KVFoldGain
 from .int2 import KVFoldInt2
 from .kvfold import KVFold
 from .oscar import Oscar
@@ -71,6 +72,11 @@ _ALL: list[Method] = [
     Oscar(name="oscar-shifted", label="OSCAR, keys less their calibration mean (kvfold's key shift)", shift=True),
     KVFoldInt2(),  # OSCAR's quantizer and whole tokens in kvfold's bases (a diagnostic: which part makes OSCAR cheap)
     KVFoldInt2(name="kvfold-int2-orth", label="kvfold-int2, key basis made orthonormal", orthonormal=True),
+    # kvfold's plans with one scale a row instead of one a band (a diagnostic: where kvfold-bits' low-bit cliff is from)
+    KVFoldGain(),
+    KVFoldGain(name="kvfold-gain-k2", label="kvfold-gain, keys down to 2 bits", key_min=2),
+    KVFoldGain(name="kvfold-gain-static", label="kvfold-gain without the gain (steps from calibration only)",
+               gain=False),
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 DEFAULT = tuple(METHODS)  # fixed here: methods registered later run only when named
