@@ -138,6 +138,8 @@ def export(
                                                "bytes then stated at 4,096 tokens; 0 with --sinks 0: the plain "
                                                f"bits cache [{WINDOW} where the model's positions reach "
                                                f"{LONG_CONTEXT}, else 0].")] = None,
+    key_bits: Annotated[int | None, typer.Option(help="Bits format: store no key dim below this many bits (keys are "
+                                                 "never dropped) [2 where tokens are kept whole, else 4].")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,
@@ -166,7 +168,8 @@ def export(
             accuracy=accuracy, ratio=ratio, max_kl=max_kl, method=method, eval_text=eval_text, eval_tokens=eval_tokens,
             metric=metric, multiple=multiple, min_rank=min_rank, v_scale=v_scale, margin=margin, allocation=allocation,
             search_steps=search_steps,
-            format=format, band_align=band_align, sinks=sinks, window=window, search_context=search_context,
+            format=format, band_align=band_align, sinks=sinks, window=window, key_bits=key_bits,
+            search_context=search_context,
             score_from=score_from, context=context, dtype=dtype,
             passkey=passkey, tp=tp))
         t0 = time.monotonic()

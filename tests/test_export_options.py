@@ -102,6 +102,7 @@ def test_tp_bad_input(setup, tmp_path, flags, message):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--search-context", 256, "--score-from", 256], "--score-from must be less than --search-context (256 tokens)"),
     (["--window", 8], "--sinks and --window keep tokens whole beside the bits format's codes"),
+    (["--key-bits", 2], "--key-bits sets the bits format's narrowest key band"),
 ])
 def test_long_context_search_bad_input(setup, tmp_path, flags, message):
     """The search's windows (--search-context, --score-from) and a windowed cache (--sinks, --window, bits only)."""

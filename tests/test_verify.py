@@ -282,7 +282,8 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
 def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs, exported, tmp_path):
     """export --format bits --sinks 2 --window 8 (issue 51): searched on the cache that keeps those tokens whole, in
     128-token windows scored from position 48 on (--search-context, --score-from); the counts in the manifest and
-    config.json, its compression stated at 4,096 tokens with the whole rows counted; verify passes on the served
+    config.json (and the keys' narrowest band, 2 bits by default here), its compression stated at 4,096 tokens with
+    the whole rows counted; verify passes on the served
     model, scoring the search's windows by default, whose live cache holds the codes of every token and the whole
     rows of the first 2 and last 8 (in float32: verify's dtype). The rank format refuses the flags (one line)."""
     from dataclasses import replace
@@ -298,6 +299,7 @@ def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs,
     m = Manifest.load(out)
     block = m.config_block()
     assert (m.sinks, m.window, m.search_context, m.score_from) == (2, 8, 128, 48) and block.windowed
+    assert m.key_bits == 2 and m.previous_export(out).key_bits == 2  # keys down to 2 bits where tokens stay whole
     assert {k: json.loads((out / "config.json").read_text())["kvfold"][k] for k in ("sinks", "window")} == \
         {"sinks": 2, "window": 8}
     fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)

@@ -14,6 +14,7 @@ from torch import nn
 import kvfold
 from kvfold.calib.artifact import CalibHeader
 from kvfold.errors import KVFoldError
+from kvfold.plan.bit_plan import KEY_MIN_BITS
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportPlan, PreviousExport
 from kvfold.plan.formats import get_format
@@ -45,10 +46,18 @@ __all__ = ["Calibration", "Manifest", "SourceModel"]
 # export's sensitivity allocation, per KV head (`head_scale_k/v`, `head_cost_k/v`). 1.10: a windowed bits export's
 # whole tokens (`sinks`, `window`; config.json's kvfold block says them too; absent: 0), and the search's windows
 # (`search_context` tokens, scored from `score_from` on; absent: 512 and 1). Without a version of its own
-# (no runtime reads it, and no rank or bits export writes it): `format`, the cache format (`Manifest.format`).
+# (no runtime reads it, and no rank or bits export writes it): `format`, the cache format (`Manifest.format`); nor
+# `key_bits`, the narrowest key band a bits export's search allowed (absent: 4).
 # Older files still load: `_upgrade` converts them. A manifest is made from the plan (`Manifest.from_plan`), in
 # one place; its points are the plan's own type (plan/point.py). The version and the file name are the runtime's
 # (kvfold_runtime.format): kvfold writes what every runtime reads.
+
+
+def _key_bits(plan: ExportPlan) -> int | None:
+    """The manifest's key_bits: a bits plan's narrowest key band where it is not KEY_MIN_BITS (a bits export's
+    manifest is then what it was before the option existed)."""
+    key_min = getattr(plan.rule, "key_min", KEY_MIN_BITS)
+    return None if plan.bits is None or key_min == KEY_MIN_BITS else key_min
 
 
 class _Frozen(BaseModel):
@@ -159,6 +168,9 @@ class Manifest(_Frozen):
     # bits format: every layer's first `sinks` and last `window` tokens also kept whole (plan/bits.BitPlan); 0: none
     sinks: int = 0
     window: int = 0
+    # bits format: the keys' narrowest width its search allowed (Recipe.key_bits), which a reused curve must share,
+    # where it is not 4; None: 4, or a rank export. No runtime reads it (the widths themselves are k_bits).
+    key_bits: int | None = None
     # The cache format that planned the export (plan/formats), where its checkpoint layout does not name it: the
     # runtime serves a checkpoint by its layout (rank or bits, `config_block().format`) and reads no format name, so
     # the rank and bits formats write none and their manifests stay as they always were; a format of its own (one
@@ -189,7 +201,7 @@ class Manifest(_Frozen):
             passkey=plan.passkey, head_dim=plan.layout.head_dim, num_heads=plan.layout.num_heads,
             num_kv_heads=plan.layout.num_kv_heads, d_k=plan.ranks.d_k, d_v=plan.ranks.d_v, k_bits=k_bits,
             v_bits=v_bits, band_scale=bits.scale if bits else LEGACY_BAND_SCALE, sinks=bits.sinks if bits else 0,
-            window=bits.window if bits else 0, chosen=plan.chosen,
+            window=bits.window if bits else 0, key_bits=_key_bits(plan), chosen=plan.chosen,
             curve=list(plan.curve), format=get_format(plan.format).manifest_name if plan.format else None,
             extra_tensors=sorted(n for n, _ in baked.named_parameters() if n.endswith((Q_POST, K_POST, K_SHIFT))),
         )
@@ -206,7 +218,7 @@ class Manifest(_Frozen):
             curve=tuple(self.curve), passkey=self.passkey,
             baseline=Baseline(self.eval_text, self.eval_tokens, self.baseline_top1, self.baseline_ppl,
                               self.search_context, self.score_from),
-            window=(self.sinks, self.window))
+            window=(self.sinks, self.window), key_bits=(self.key_bits or KEY_MIN_BITS) if bits else None)
 
     def layer_scales(self) -> LayerScales | HeadScales | None:
         """The multipliers and the costs behind them (sensitivity allocation): per layer (rank format) or per KV
@@ -232,7 +244,7 @@ class Manifest(_Frozen):
     def to_json(self) -> str:
         # no `format` key where the layout names the format, no hub keys for a local source: those files are byte
         # for byte what they always were
-        exclude: dict = {"format": True} if self.format is None else {}
+        exclude: dict = {k: True for k in ("format", "key_bits") if getattr(self, k) is None}
         if self.source.hub_id is None:
             exclude["source"] = {"hub_id", "revision"}
         return json.dumps(self.model_dump(exclude=exclude or None), indent=2, sort_keys=True)

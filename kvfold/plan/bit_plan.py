@@ -15,6 +15,7 @@ __all__ = ["SCALE", "WINDOW_CONTEXT", "BitPlan", "BitRule", "fp16_bytes_per_toke
 # log8 (one byte, steps of 2^(1/8)). Against float16, measured on SmolLM2 (2026-11-25, 6,132 wiki:eval tokens, same
 # V_SCALE): float16 scales at 0.297 of fp16's bytes gave KL 0.057, log8 at 0.2775 gave KL 0.043.
 SCALE = DEFAULT_BAND_SCALE
+KEY_MIN_BITS = 4  # keys' narrowest width by default (BitRule.key_min; why 4: plan/bits.py)
 WINDOW_CONTEXT = 4096  # the context a windowed plan's bytes (and its compression p) are stated at (BitPlan)
 
 
@@ -39,6 +40,7 @@ class BitRule:
     align: int = ALIGN  # every band starts and ends on a multiple of this many dims (dim_bits); 1: anywhere
     sinks: int = 0  # the first tokens also kept whole (a windowed export, issue 51; BitPlan)
     window: int = 0  # the last tokens also kept whole
+    key_min: int = KEY_MIN_BITS  # keys are never dropped nor stored below this many bits
 
     @property
     def r_k(self) -> float:  # the search's knob, recorded in the curve as r_k / r_v (plan/search.py)

@@ -40,7 +40,7 @@ import torch
 
 from kvfold.errors import KVFoldError
 from kvfold.factors import LayerBasis, LayerFactors
-from kvfold.plan.bit_plan import SCALE, WINDOW_CONTEXT, BitPlan, BitRule  # the plan itself (re-exported here)
+from kvfold.plan.bit_plan import KEY_MIN_BITS, SCALE, WINDOW_CONTEXT, BitPlan, BitRule  # the plan (re-exported)
 from kvfold.plan.formats.bits import ALIGN, V_SCALE  # the bands' alignment and θ_v / θ_k by default (said there)
 from kvfold.plan.ranks import factors_for
 from kvfold_runtime import BAND_SCALES
@@ -122,7 +122,7 @@ def bits_basis(basis: LayerBasis) -> LayerBasis:
     return replace(basis, v_a=v_a, v_spectrum=spectrum, v_energy=None)
 
 
-# Keys are never dropped in the bits format, nor stored below 4 bits: their narrowest band is KEY_MIN_BITS. The
+# Keys are never dropped in the bits format, nor stored below 4 bits by default (KEY_MIN_BITS, BitRule.key_min). The
 # water-filling prices key dim j at λ̂_j = σ_j² of its own head, and on Qwen2.5-Coder-1.5B that is far too cheap for
 # the small dims of layers 0–1, whose attention is sharply peaked (layer 0's scores have rms ~2,700 at 1/√d), so a
 # small relative error there moves the logits most. Measured 2026-11-26 (4,096 tokens, bfloat16, 16K-token
@@ -135,16 +135,15 @@ def bits_basis(basis: LayerBasis) -> LayerBasis:
 # On SmolLM2 (wiki:eval+pydoc:eval, float32) it costs little and helps at low budgets: θ_v 3e-5: 0.327 → 0.330 of
 # fp16, KL 0.0062 → 0.0056; θ_v 1e-4: 0.270 → 0.283, KL 0.025 → 0.017 (perplexity ratio 1.027 → 1.011). Values may
 # still drop dims and take 2 bits (their λ is their own energy, priced right).
-KEY_MIN_BITS = 4
 
 
-def _key_widths(widths: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(w for w in widths if w >= KEY_MIN_BITS) or (max(widths),)
+def _key_widths(widths: tuple[int, ...], key_min: int = KEY_MIN_BITS) -> tuple[int, ...]:
+    return tuple(w for w in widths if w >= key_min) or (max(widths),)
 
 
 def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
     k_bits, v_bits, scale_bits = [], [], 8 * BAND_SCALES[rule.scale]
-    key_widths = _key_widths(rule.widths)
+    key_widths = _key_widths(rule.widths, rule.key_min)
     for i, b in enumerate(map(bits_basis, bases)):
         tk, tv = rule.head_thetas(i, len(b.qk_spectrum))
         k_bits.append([dim_bits(s, t, key_widths, scale_bits, rule.align)
@@ -157,11 +156,11 @@ def plan_bits(bases: list[LayerBasis], rule: BitRule) -> BitPlan:
 
 def theta_for_mean_bits(bases: list[LayerBasis], bits: float, widths: tuple[int, ...], v_scale: float = 1.0,
                         head_k: tuple[tuple[float, ...], ...] = (), head_v: tuple[tuple[float, ...], ...] = (),
-                        align: int = ALIGN) -> float:
+                        align: int = ALIGN, key_min: int = KEY_MIN_BITS) -> float:
     """The θ_k (θ_v = v_scale·θ_k, no per-layer multipliers; per-head ones if given) whose plan, with bands aligned
     to `align` dims, stores about `bits` per number: for sweeps by budget."""
     def rule(theta: float) -> BitRule:
-        return BitRule(theta, v_scale * theta, widths, head_k=head_k, head_v=head_v, align=align)
+        return BitRule(theta, v_scale * theta, widths, head_k=head_k, head_v=head_v, align=align, key_min=key_min)
 
     lo, hi = math.log(1e-9), math.log(1.0)
     for _ in range(40):

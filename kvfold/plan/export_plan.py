@@ -56,6 +56,7 @@ class PreviousExport:
     passkey: dict | None
     baseline: Baseline
     window: tuple[int, int] = (0, 0)  # (sinks, window) whole tokens of a windowed bits export
+    key_bits: int | None = None  # a bits export's narrowest key band (Recipe.key_bits); None: a rank export
 
 
 @dataclass(frozen=True)

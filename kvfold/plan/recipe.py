@@ -84,6 +84,9 @@ class Recipe(BaseModel):
     # None: the format's for the model (plan/formats/bits.py: 16 and 64 where its positions reach 4,096).
     sinks: int | None = Field(default=None, ge=0)
     window: int | None = Field(default=None, ge=0)
+    # Bits format: keys are never dropped nor stored below this many bits. None: the format's for the cache
+    # (plan/formats/bits.py: KEY_BITS_WINDOWED where tokens are kept whole, else plan/bits.KEY_MIN_BITS).
+    key_bits: int | None = Field(default=None, ge=2, le=16)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's
     # max_position_embeddings. 0: as calibrated (positions 0–511 only; loses long-context retrieval).

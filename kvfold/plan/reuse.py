@@ -62,6 +62,7 @@ def _check_reusable(prev: PreviousExport, sha: str, stats: CalibStats, recipe: R
         ("band scale format", prev.band_scale, get_format(recipe.format).band_scale),
         ("--dtype", prev.search_dtype, recipe.dtype),
         ("--sinks / --window", prev.window, (recipe.sinks, recipe.window)),
+        ("--key-bits", prev.key_bits, recipe.key_bits),
         ("--search-context / --score-from", (prev.baseline.context, prev.baseline.score_from),
          (recipe.search_context, recipe.score_from)),
     ]

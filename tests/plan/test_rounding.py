@@ -76,7 +76,7 @@ def test_the_searched_rule_takes_head_or_layer_multipliers_as_recorded():
     from kvfold.plan.rounding import HeadScales
     from kvfold.plan.sensitivity import LayerScales
 
-    bits = Recipe(accuracy=0.99, format="bits", allocation="sensitivity")
+    bits = Recipe(accuracy=0.99, format="bits", allocation="sensitivity", key_bits=4)  # as resolve() sets it
     heads = HeadScales(((1.0, 2.0),), ((0.5, 1.0),), ((1.0, 0.5),), ((2.0, 1.0),))
     tk, tv = _rule(bits, heads, 1e-4).head_thetas(0, 2)
     assert tk == pytest.approx([1e-4, 2e-4]) and tv == pytest.approx([bits.v_scale * 0.5e-4, bits.v_scale * 1e-4])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvfold.plan.formats.base import LONG_CONTEXT, CacheFormat, scoring_windows
 
-__all__ = ["ALIGN", "ALIGN_SMALL", "SINKS", "V_SCALE", "WINDOW", "BitsFormat", "band_align_for"]
+__all__ = ["ALIGN", "ALIGN_SMALL", "KEY_BITS_WINDOWED", "SINKS", "V_SCALE", "WINDOW", "BitsFormat", "band_align_for"]
 
 # θ_v = V_SCALE · θ_k by default (plan/bits.py): the proxy there underprices keys' rounding error (it passes through
 # the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096
@@ -40,6 +40,13 @@ ALIGN_SMALL = 8
 # 2026-12-03: closest mean margin +0.183 nats, spread 0.005), where the plain default needed 0.427 to keep them.
 SINKS = 16
 WINDOW = 64
+# Keys' narrowest width where tokens are kept whole (Recipe.key_bits; plan/bits.KEY_MIN_BITS, 4, elsewhere). With the
+# sinks and the recent window whole, judged at long context, keys held at 4 bits or more left the values too few at
+# budgets under 3.5 bits a number, the history's cliff between 3.5 and 3 bits (docs/long-context.md). Measured on
+# SmolLM2, 16 + 64 whole (docs/frontier-keys2-smollm2.json): keys down to 2 bits at 2.75 bits a number,
+# 0.206 of fp16's bytes at 4K, top-1 ratio 0.9985, perplexity ratio 1.0068, KL 0.0067, where keys ≥ 4 bits at
+# 3 bits (0.215) gave 0.975, 1.095, KL 0.105.
+KEY_BITS_WINDOWED = 2
 
 
 def band_align_for(head_dim: int) -> int:
@@ -75,6 +82,10 @@ class BitsFormat(CacheFormat):
             update |= {"sinks": SINKS if long else 0, "window": WINDOW if long else 0}
         else:
             update |= {"sinks": recipe.sinks or 0, "window": recipe.window or 0}
+        if recipe.key_bits is None:
+            from kvfold.plan.bit_plan import KEY_MIN_BITS
+
+            update["key_bits"] = KEY_BITS_WINDOWED if update["sinks"] or update["window"] else KEY_MIN_BITS
         return scoring_windows(recipe.model_copy(update=update), positions)
 
     def rounding(self, recipe):
@@ -92,8 +103,9 @@ class BitsFormat(CacheFormat):
     def rule(self, recipe, r, r_v, multipliers):
         from kvfold.plan.bits import BitRule
 
+        assert recipe.key_bits is not None, "key_bits depends on the window: resolve(recipe, head_dim) first"
         return BitRule(theta_k=r, theta_v=r_v, align=recipe.band_align, sinks=recipe.sinks, window=recipe.window,
-                       **multipliers)
+                       key_min=recipe.key_bits, **multipliers)
 
     def plan(self, bases, rule):
         from kvfold.plan.bits import plan_bits

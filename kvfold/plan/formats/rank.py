@@ -29,6 +29,9 @@ class RankFormat(CacheFormat):
         if recipe.band_align is not None:
             raise ValueError("--band-align places the bits format's bands; the rank format rounds its ranks with "
                              "--multiple")
+        if recipe.key_bits is not None:
+            raise ValueError("--key-bits sets the bits format's narrowest key band; the rank format stores keys at "
+                             "the model's dtype (use --format bits)")
         if recipe.sinks or recipe.window:
             raise ValueError("--sinks and --window keep tokens whole beside the bits format's codes; the rank format "
                              "stores every token alike (use --format bits)")

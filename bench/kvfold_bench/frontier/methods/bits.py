@@ -7,7 +7,8 @@ water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: 
 The variant
 kvfold-bits-heads plans with the per-head multipliers of the bits format's sensitivity allocation (plan/rounding.py,
 measured once per model: setup.head_scales); kvfold-bits-unaligned with bands anywhere (align 1: export
---band-align 1, the allocation before issue 50), to measure what the alignment costs; kvfold-bits-keys4 and
+--band-align 1, the allocation before issue 50), to measure what the alignment costs; kvfold-bits-k2 with keys
+down to 2 bits as values (plan/bits.KEY_MIN_BITS is 4); kvfold-bits-keys4 and
 -values4 move the K/V split (θ_v = 4·V_SCALE·θ_k or V_SCALE/4·θ_k: more of the bytes on keys, or on values).
 Bytes are the real per-token row bytes (codes + scales) of every head.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvfold.plan.bits import V_SCALE, BitRule, plan_bits, theta_for_mean_bits
+from kvfold.plan.bits import KEY_MIN_BITS, V_SCALE, BitRule, plan_bits, theta_for_mean_bits
 from kvfold.plan.formats.bits import band_align_for
 from kvfold.plan.targets import bit_patches
 from kvfold_runtime import head_dim
@@ -41,6 +42,7 @@ class KVFoldBits:
     align: int | None = None  # bands start and end on multiples of this many dims (--band-align; None: export's
     # default for the model's head_dim); 1: anywhere
     v_scale: float = V_SCALE  # θ_v / θ_k: export's K/V split by default; larger, more of the bytes on keys
+    key_min: int = KEY_MIN_BITS  # keys' narrowest width (plan/bits.py)
 
     def candidates(self, setup) -> Iterator[Candidate]:
         bases = setup.bases("aware", "text")
@@ -49,8 +51,9 @@ class KVFoldBits:
         heads = dict(head_k=scales.k, head_v=scales.v) if scales else {}
         align = self.align or band_align_for(head_dim(setup.model.config))
         for bits in self.grid:
-            theta = theta_for_mean_bits(bases, bits, widths, self.v_scale, **heads, align=align)
-            plan = plan_bits(bases, BitRule(theta, self.v_scale * theta, widths, **heads, align=align))
+            theta = theta_for_mean_bits(bases, bits, widths, self.v_scale, **heads, align=align, key_min=self.key_min)
+            plan = plan_bits(bases, BitRule(theta, self.v_scale * theta, widths, **heads, align=align,
+                                            key_min=self.key_min))
             yield Candidate(bits, 1.0 - plan.compression,
                             bit_patches(bases, plan, setup.dtype, coder=self.coder()))
 
