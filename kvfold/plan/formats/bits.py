@@ -45,7 +45,7 @@ WINDOW = 64
 # under 3.5 bits a number: the history's cliff between 3.5 and 3 bits (docs/long-context.md, 2026-12-05). Qwen2.5-Coder
 # -1.5B, 16 + 64 whole, one run (docs/frontier-keys2-qwen.json): keys to 2 bits at 2.75 bits a number, 0.198 of fp16's
 # bytes at 4K, KL 0.0031 (2.5 bits: 0.182, KL 0.0050, the joint target met on each text); keys ≥ 4 bits at 3 bits,
-# 0.209, KL 0.066. SmolLM2 (docs/frontier-k2-smollm2.json): 2.75 bits 0.206, KL 0.0067, where keys ≥ 4 at 3 bits had 0.105.
+# 0.209, KL 0.066. SmolLM2 (docs/frontier-k2-smollm2.json): 2.75 bits 0.206, KL 0.0067 (keys ≥ 4 at 3 bits: 0.105).
 KEY_BITS_WINDOWED = 2
 
 
