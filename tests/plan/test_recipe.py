@@ -106,13 +106,13 @@ def test_a_long_context_model_gets_the_windowed_bits_format_judged_at_long_conte
         bits.resolve(Recipe(accuracy=0.99, format="bits", score_from=4096), 64, 8192)
 
 
-def test_keys_may_take_two_bits_where_tokens_are_kept_whole():
-    """--key-bits: the narrowest key band is 2 bits in a windowed bits recipe and 4 in a plain one by default (plan/
-    formats/bits.KEY_BITS_WINDOWED); a given value stays and reaches the search's rule; the rank format refuses it."""
+def test_keys_take_four_bits_or_more_unless_told():
+    """--key-bits: the narrowest key band is 4 bits by default, windowed or not (plan/formats/bits.py says why); a
+    given value stays and reaches the search's rule; the rank format refuses it."""
     from kvfold.plan.formats import get_format
 
     bits = get_format("bits")
-    assert bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 8192).key_bits == 2
+    assert bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 8192).key_bits == 4
     assert bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 2048).key_bits == 4
     given = bits.resolve(Recipe(accuracy=0.99, format="bits", key_bits=3), 64, 8192)
     assert given.key_bits == 3 and bits.rule(given, 1e-3, 1e-2, {}).key_min == 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvfold.plan.formats.base import LONG_CONTEXT, CacheFormat, scoring_windows
 
-__all__ = ["ALIGN", "ALIGN_SMALL", "KEY_BITS_WINDOWED", "SINKS", "V_SCALE", "WINDOW", "BitsFormat", "band_align_for"]
+__all__ = ["ALIGN", "ALIGN_SMALL", "SINKS", "V_SCALE", "WINDOW", "BitsFormat", "band_align_for"]
 
 # θ_v = V_SCALE · θ_k by default (plan/bits.py): the proxy there underprices keys' rounding error (it passes through
 # the softmax), so with one θ keys got 3.6 bits per number and values 5.4. Measured on SmolLM2 (2026-11-25, 4,096
@@ -40,13 +40,13 @@ ALIGN_SMALL = 8
 # 2026-12-03: closest mean margin +0.183 nats, spread 0.005), where the plain default needed 0.427 to keep them.
 SINKS = 16
 WINDOW = 64
-# Keys' narrowest width where tokens are kept whole (Recipe.key_bits; plan/bits.KEY_MIN_BITS, 4, elsewhere). With the
-# sinks and the recent window whole, judged at long context, keys held at 4 bits or more left the values too few bits
-# under 3.5 bits a number: the history's cliff between 3.5 and 3 bits (docs/long-context.md, 2026-12-05). Qwen2.5-Coder
-# -1.5B, 16 + 64 whole, one run (docs/frontier-keys2-qwen.json): keys to 2 bits at 2.75 bits a number, 0.198 of fp16's
-# bytes at 4K, KL 0.0031 (2.5 bits: 0.182, KL 0.0050, the joint target met on each text); keys ≥ 4 bits at 3 bits,
-# 0.209, KL 0.066. SmolLM2 (docs/frontier-k2-smollm2.json): 2.75 bits 0.206, KL 0.0067 (keys ≥ 4 at 3 bits: 0.105).
-KEY_BITS_WINDOWED = 2
+# Keys' narrowest width (Recipe.key_bits) stays plan/bits.KEY_MIN_BITS, 4, by default, windowed or not. `--key-bits 2`
+# lets keys go to 2 bits as values do, and on the long-context metrics that removes the history's cliff between 3.5 and
+# 3 bits (docs/long-context.md, 2026-12-05): Qwen2.5-Coder-1.5B, 16 + 64 whole, one run (docs/frontier-keys2-qwen.json),
+# 2.75 bits a number 0.198 of fp16's bytes at 4K, KL 0.0031 (2.5 bits: 0.182, KL 0.0050, the joint target met on each
+# text), where keys ≥ 4 bits at 3 bits gave 0.209, KL 0.066; SmolLM2 (docs/frontier-k2-smollm2.json) 2.75 bits 0.206,
+# KL 0.0067. But SmolLM2's export with it lost 2 of 10 pass keys at 0.258 of fp16's bytes (margin −0.82 nats;
+# docs/export-smollm2-window-keys2.json), the pass keys binding where the default's 4-bit keys keep them at 0.289.
 
 
 def band_align_for(head_dim: int) -> int:
@@ -85,7 +85,7 @@ class BitsFormat(CacheFormat):
         if recipe.key_bits is None:
             from kvfold.plan.bit_plan import KEY_MIN_BITS
 
-            update["key_bits"] = KEY_BITS_WINDOWED if update["sinks"] or update["window"] else KEY_MIN_BITS
+            update["key_bits"] = KEY_MIN_BITS
         return scoring_windows(recipe.model_copy(update=update), positions)
 
     def rounding(self, recipe):
