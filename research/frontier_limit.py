@@ -21,7 +21,7 @@ from kvfold_bench.frontier.methods import register
 from kvfold_bench.frontier.methods.bits import KVFoldBits
 from research.ideal import ideal
 
-__all__ = ["REFERENCES", "IdealCoderBits", "main", "register_references"]
+__all__ = ["REFERENCES", "IdealCoderBits", "frontier", "main", "register_references"]
 
 
 @dataclass(frozen=True)
@@ -49,16 +49,21 @@ def register_references() -> None:
         register(method)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`kvfold-bench frontier ARGV` with the references registered."""
+def frontier(argv: list[str] | None, prog_name: str) -> None:
+    """`kvfold-bench frontier ARGV` (sys.argv's when None), for a research module that registered its methods first."""
     import typer
 
     from kvfold_bench import cli
 
-    register_references()
     cli.log_to_stderr()
-    frontier = typer.main.get_command(cli.app).commands["frontier"]
-    frontier.main(sys.argv[1:] if argv is None else argv, prog_name="python -m research.frontier_limit")
+    command = typer.main.get_command(cli.app).commands["frontier"]
+    command.main(sys.argv[1:] if argv is None else argv, prog_name=prog_name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`kvfold-bench frontier ARGV` with the references registered."""
+    register_references()
+    frontier(argv, "python -m research.frontier_limit")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ V_SCALE was measured with keys held at 4 bits or more (plan/formats/bits.py); th
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 from kvfold_bench.frontier.methods import METHODS, register
+from research.frontier_limit import frontier
 
 __all__ = ["FACTORS", "main", "register_variants"]
 
@@ -30,15 +30,9 @@ def register_variants() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import typer
-
-    from kvfold_bench import cli
-
+    """`kvfold-bench frontier ARGV` with the variants registered."""
     register_variants()
-    cli.log_to_stderr()
-    frontier = typer.main.get_command(cli.app).commands["frontier"]
-    frontier.main(sys.argv[1:] if argv is None else argv, prog_name="python -m research.key_split")
-
+    frontier(argv, "python -m research.key_split")
 
 if __name__ == "__main__":
     main()
