@@ -134,8 +134,9 @@ def bits_basis(basis: LayerBasis) -> LayerBasis:
 #   0.0174 → 0.0017, perplexity ratio 1.018 → 1.002; θ_v 1e-4: 0.224 (3 bits) → 0.245, KL 0.046 → 0.019.
 # On SmolLM2 (wiki:eval+pydoc:eval, float32) it costs little and helps at low budgets: θ_v 3e-5: 0.327 → 0.330 of
 # fp16, KL 0.0062 → 0.0056; θ_v 1e-4: 0.270 → 0.283, KL 0.025 → 0.017 (perplexity ratio 1.027 → 1.011). Values may
-# still drop dims and take 2 bits (their λ is their own energy, priced right).
-
+# still drop dims and take 2 bits (their λ is their own energy, priced right). At long context with whole sink and
+# recent tokens the floor is what starves values below 3.5 bits a number; `--key-bits 2` lifts it (plan/formats/bits.py
+# has what that gains and what it cost the pass keys).
 
 def _key_widths(widths: tuple[int, ...], key_min: int = KEY_MIN_BITS) -> tuple[int, ...]:
     return tuple(w for w in widths if w >= key_min) or (max(widths),)
