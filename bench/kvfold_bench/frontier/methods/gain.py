@@ -31,7 +31,7 @@ import torch
 
 from kvfold.hooks import patched
 from kvfold.measure.stored import compressed
-from kvfold.plan.bits import KEY_MIN_BITS, V_SCALE, BitPlan, BitRule, bit_factors, bits_basis, dim_bits
+from kvfold.plan.bits import KEY_MIN_BITS, V_SCALE, BitPlan, BitRule, _key_widths, bit_factors, bits_basis, dim_bits
 from kvfold.plan.formats.bits import band_align_for
 from kvfold_runtime import head_dim
 
@@ -92,8 +92,7 @@ class KVFoldGain:
 
     def _plan(self, bases: list, theta: float, align: int) -> BitPlan:
         rule = BitRule(theta, V_SCALE * theta, align=align)
-        key_widths = tuple(w for w in rule.widths if w == 0 or w >= self.key_min)
-        key_widths = tuple(w for w in key_widths if w) or (16,)
+        key_widths = _key_widths(rule.widths, self.key_min)  # keys never dropped, as plan_bits has them
         k_bits, v_bits = [], []
         for b in map(bits_basis, bases):  # scale_bits 0: no band pays for a scale of its own here
             k_bits.append([dim_bits(s, theta, key_widths, 0, align) for s in b.qk_spectrum])
