@@ -52,6 +52,7 @@ _ALL: list[Method] = [
     KVFoldBits(name="kvfold-bits-heads", label="kvfold-bits, per-head θ from rounding costs", allocation="sensitivity"),
     KVFoldBits(name="kvfold-bits-unaligned", label="kvfold-bits, bands anywhere (--band-align 1)", align=1),
     KVFoldBits(name="kvfold-bits-k2", label="kvfold-bits, keys down to 2 bits", key_min=2),
+    KVFoldBits(name="kvfold-bits-k3", label="kvfold-bits, keys down to 3 bits", key_min=3),
     KVFoldBits(name="kvfold-bits-keys4", label="kvfold-bits, θ_v/θ_k 4× export's (more bytes on keys)",
                v_scale=4 * KVFoldBits.v_scale),
     KVFoldBits(name="kvfold-bits-values4", label="kvfold-bits, θ_v/θ_k ¼ of export's (more bytes on values)",

@@ -7,8 +7,8 @@ water-filling (θ_v = V_SCALE·θ_k) with no per-head or per-layer multipliers: 
 The variant
 kvfold-bits-heads plans with the per-head multipliers of the bits format's sensitivity allocation (plan/rounding.py,
 measured once per model: setup.head_scales); kvfold-bits-unaligned with bands anywhere (align 1: export
---band-align 1, the allocation before issue 50), to measure what the alignment costs; kvfold-bits-k2 with keys
-down to 2 bits as values (plan/bits.KEY_MIN_BITS is 4); kvfold-bits-keys4 and
+--band-align 1, the allocation before issue 50), to measure what the alignment costs; kvfold-bits-k2 (-k3) with keys
+down to 2 (3) bits (plan/bits.KEY_MIN_BITS is 4); kvfold-bits-keys4 and
 -values4 move the K/V split (θ_v = 4·V_SCALE·θ_k or V_SCALE/4·θ_k: more of the bytes on keys, or on values).
 Bytes are the real per-token row bytes (codes + scales) of every head.
 
