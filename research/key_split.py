@@ -34,5 +34,6 @@ def main(argv: list[str] | None = None) -> None:
     register_variants()
     frontier(argv, "python -m research.key_split")
 
+
 if __name__ == "__main__":
     main()

@@ -20,7 +20,6 @@ every layer rounded −0.07 / −0.25 — lost again.
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -28,21 +27,13 @@ from pathlib import Path
 from kvfold.hooks import patched
 from kvfold.measure.passkey import passkey_answers
 from kvfold.measure.stored import banded, compressed
-from kvfold.plan.bits import KEY_MIN_BITS, V_SCALE, BitRule, bit_factors, plan_bits
+from kvfold.plan.bits import KEY_MIN_BITS, V_SCALE, bit_factors
 from kvfold_bench.frontier.setup import Setup
+from research.passkey_split import at_share
 
 
 def whole(x):
     return x
-
-
-def at_share(bases, share: float, rule):
-    """The plan `rule(θ)` of largest θ whose bytes are at least `share` of fp16's (a windowed plan's at 4K)."""
-    lo, hi = math.log(1e-9), math.log(1.0)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 1.0 - plan_bits(bases, rule(math.exp(mid))).compression >= share else (lo, mid)
-    return plan_bits(bases, rule(math.exp(lo)))
 
 
 def main() -> None:
@@ -67,8 +58,7 @@ def main() -> None:
     for key_min in args.key_min:
         for share in args.share:
             print(f"keys ≥ {key_min} bits:", flush=True)
-            plan = at_share(bases, share, lambda theta, key_min=key_min: BitRule(
-                theta, args.v_scale * theta, align=8, sinks=args.sinks, window=args.window, key_min=key_min))
+            plan = at_share(bases, share, 8, args.v_scale, args.sinks, args.window, key_min)
             read(setup, prompts, bases, plan, like, args)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvfold.hooks import patched
 from kvfold.measure.passkey import Answers, passkey_answers
-from kvfold.plan.bits import V_SCALE, BitRule, plan_bits
+from kvfold.plan.bits import KEY_MIN_BITS, V_SCALE, BitRule, plan_bits
 from kvfold.plan.longrange import NUDGES, judge
 from kvfold.plan.targets import bit_patches
 from kvfold_bench.frontier.setup import Setup
@@ -32,11 +32,12 @@ PLANS = {"default": (8, V_SCALE), "unaligned": (1, V_SCALE), "keys4": (8, 4 * V_
          "values4": (8, V_SCALE / 4), "align4": (4, V_SCALE), "keys16": (8, 16 * V_SCALE)}
 
 
-def at_share(bases, share: float, align: int, v_scale: float, sinks: int = 0, window: int = 0):
+def at_share(bases, share: float, align: int, v_scale: float, sinks: int = 0, window: int = 0,
+             key_min: int = KEY_MIN_BITS):
     """The plan of largest θ whose bytes are at least `share` of fp16's (a windowed plan's at 4K tokens)."""
     def rule(log_theta: float) -> BitRule:
         theta = math.exp(log_theta)
-        return BitRule(theta, v_scale * theta, align=align, sinks=sinks, window=window)
+        return BitRule(theta, v_scale * theta, align=align, sinks=sinks, window=window, key_min=key_min)
 
     lo, hi = math.log(1e-9), math.log(1.0)
     for _ in range(40):
