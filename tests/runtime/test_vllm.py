@@ -283,6 +283,18 @@ def test_smollm2_in_vllm(smollm2_exports):
     assert capacity["bits"] / capacity["orig"] >= 0.97 * original / bits
 
 
+@pytest.fixture(scope="module")
+def smollm2_keys2_export(smollm2_calib, tmp_path_factory):
+    """A bits export with keys down to 2 bits (`--key-bits 2`), otherwise as smollm2_exports' bits export."""
+    from kvfold import api
+    from kvfold.plan.recipe import Recipe
+
+    with module_dir(tmp_path_factory, "smollm2-vllm-k2") as root:
+        api.export("smollm2", smollm2_calib, root / "bits", Recipe(
+            format="bits", accuracy=0.97, eval_tokens=512, margin=0, passkey=0, sinks=0, window=0, key_bits=2))
+        yield root / "bits"
+
+
 @pytest.mark.slow
 def test_smollm2_windowed_in_vllm(smollm2_exports, tmp_path):
     """The bits export with 16 sinks and the last 64 tokens whole (issue 51's windowed format), 6 wiki prompts of 256
@@ -290,9 +302,23 @@ def test_smollm2_windowed_in_vllm(smollm2_exports, tmp_path):
     vLLM's own count of the tokens its pool holds in requests of 4,096 tokens (rings and code blocks together) is
     ≥ 0.97 × the budget over the export's bytes per token at 4,096 tokens (codes + whole rows at float32,
     ConfigBlock.bytes_per_token): the bytes ratio to the original, whose pool holds budget / its bytes."""
-    e = smollm2_exports
-    path = _tampered(e["bits"], tmp_path / "w", lambda f: _windowed(f, sinks=16, window=64))
-    prompts = _wiki_prompts(e["orig"], n=6, tokens=256)
+    _windowed_in_vllm(smollm2_exports["bits"], smollm2_exports["orig"], tmp_path)
+
+
+@pytest.mark.slow
+def test_smollm2_windowed_keys2_in_vllm(smollm2_keys2_export, tmp_path):
+    """The same with keys down to 2 bits (`--key-bits 2`): key bands below 4 bits, which the default's never have,
+    served by vLLM's C path as the transformers runtime serves them."""
+    from kvfold.sources.models import resolve_model
+
+    config = json.loads((smollm2_keys2_export / "config.json").read_text())["kvfold"]
+    assert min(b for layer in config["k_bits"] for head in layer for b in head if b) < 4
+    _windowed_in_vllm(smollm2_keys2_export, resolve_model("smollm2").path, tmp_path)
+
+
+def _windowed_in_vllm(export, original, tmp_path) -> None:
+    path = _tampered(export, tmp_path / "w", lambda f: _windowed(f, sinks=16, window=64))
+    prompts = _wiki_prompts(original, n=6, tokens=256)
     budget, context = 256 << 20, 4096
     run = run_engine(path, prompts, logprobs=5, engine_args={"enable_prefix_caching": False}, kv_cache_bytes=budget,
                      max_model_len=context, max_tokens=16)
