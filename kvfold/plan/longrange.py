@@ -54,14 +54,16 @@ REFINE_STEPS = 3
 def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPrompt], curve: list[Point],
                   target: Target, patches_for: Callable[[Point], list[dict[int, AttentionPatch]]],
                   log: Callable[[str], None] = lambda line: None,
-                  between: Callable[[Point, Point], Point] | None = None
+                  between: Callable[[Point, Point], Point] | None = None,
+                  remember: Callable[[str, Callable[[], Answers]], Answers] = lambda key, run: run()
                   ) -> tuple[Point, dict, list[Point]]:
     """The most compressed point of `curve` that meets `target` and retrieves every key `model` itself retrieves,
     under every patch set `patches_for` gives for it (one per rounding of its cache), each by a mean margin of
     Z spreads; a record of the check for the manifest (the points rejected on the way, with the fewest keys a
     rounding retrieved and the margin summary); and the points `between` scored to narrow the gap to the next
-    rejected one (module docstring)."""
-    original = passkey_answers(model, prompts, "pass keys: the original")
+    rejected one (module docstring). `remember(key, run)` gives run()'s answers, or the ones recorded under `key`
+    (plan/journal.py)."""
+    original = remember("original", lambda: passkey_answers(model, prompts, "pass keys: the original"))
     want = sum(original.hits)
     record = {"context": len(prompts[0].ids), "prompts": len(prompts), "original": want, "z": Z, "rejected": []}
     # compression -> the fewest keys its roundings retrieved, and the margin summary of the keys the original does
@@ -70,8 +72,11 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
     def keeps(point: Point) -> bool:
         def answers(i: int, patches: dict[int, AttentionPatch]) -> Answers:
             rounding = f", rounding {i + 1}/{len(roundings)}" if len(roundings) > 1 else ""
-            with patched(model, adapter, patches):
-                return passkey_answers(model, prompts, f"pass keys at p={point.compression:.4f}{rounding}")
+
+            def run() -> Answers:
+                with patched(model, adapter, patches):
+                    return passkey_answers(model, prompts, f"pass keys at p={point.compression:.4f}{rounding}")
+            return remember(f"{point.r_k!r} {point.r_v!r} {i}", run)
 
         roundings = patches_for(point) if point.compression > 0 else [{}]
         verdict = judge(original, (answers(i, patches) for i, patches in enumerate(roundings)))

@@ -25,6 +25,7 @@ from kvfold.plan.bits import BitRule
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportInputs, ExportPlan
 from kvfold.plan.formats import CacheFormat, get_format
+from kvfold.plan.journal import Journal
 from kvfold.plan.longrange import keep_passkeys
 from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankRule
@@ -52,13 +53,14 @@ class _Found(NamedTuple):
 
 
 def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda line: None,
-                device_map: str | None = None) -> ExportPlan:
+                device_map: str | None = None, journal: Journal | None = None) -> ExportPlan:
     """Choose the point for the recipe's target and everything baking it needs.
 
     The model runs in recipe.dtype on `device` (with `device_map`, placed by accelerate); the plan's model is in
     the source checkpoint's dtype. With a previous export (inputs.previous), the point is picked from its recorded
     curve and nothing is evaluated. `log` gets one plain line per stage and per scored candidate. What differs
-    between cache formats, the recipe's format object decides (plan/formats)."""
+    between cache formats, the recipe's format object decides (plan/formats). The candidates and pass-key answers
+    `journal` holds are taken from it, and those measured are added to it (plan/journal.py)."""
     ref, recipe, previous, identity = inputs.ref, inputs.recipe, inputs.previous, inputs.stats.header.model
     fmt = get_format(recipe.format)
     target = recipe.target()
@@ -77,7 +79,7 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
         best, passkey = pick(previous.curve, recipe, target, previous.passkey)
         found = _Found(best, previous.curve, previous.baseline, passkey, net)
     else:
-        found = _search(inputs, fmt, net, bases, windows, target, rule, log)
+        found = _search(inputs, fmt, net, bases, windows, target, rule, log, journal or Journal(None))
     chosen = rule(found.best.r_k, found.best.r_v)
     ranks, bits, factors = fmt.export_parts(bases, chosen)
     reload = _reload_for_bake(found.model, ref, device)
@@ -136,13 +138,15 @@ def _layer_scales(inputs: ExportInputs, fmt: CacheFormat, bases: list[LayerBasis
 
 
 def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], windows: Sequences,
-            target: Target | None, rule: Rule, log: Log) -> _Found:
+            target: Target | None, rule: Rule, log: Log, journal: Journal) -> _Found:
     """Score the original, search for the target (or score the one point of a compression target), then keep
-    the chosen point only if it retrieves the original's pass keys (plan/longrange.py)."""
+    the chosen point only if it retrieves the original's pass keys (plan/longrange.py); what `journal` holds is
+    not measured again."""
     recipe = inputs.recipe
     log(f"scoring the original on {windows.num_tokens} tokens of {recipe.eval_text}")
     evaluator = Evaluator(net, inputs.ref.adapter, windows, start=recipe.score_from)
     base = evaluator.baseline
+    journal.check_baseline(base)
     baseline = Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1, ppl=base.ppl,
                         context=recipe.search_context, score_from=recipe.score_from)
     if target is None:
@@ -155,7 +159,11 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
         log(f"candidate {p.describe(recipe.eval_text)} ({time.monotonic() - started[0]:.0f} s)")
         started[0] = time.monotonic()
 
-    best, curve = fmt.search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored)
+    def remember(score):
+        return journal.scorer(score, base)
+
+    best, curve = fmt.search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored,
+                             remember=remember)
     if not recipe.passkey:
         return _Found(best, tuple(curve), baseline, None, net)
     # Checked on the search's model, in the dtype sources.models.run_dtype chose, which verify's `auto` chooses
@@ -168,11 +176,12 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
 
     def between(a: Point, b: Point) -> Point:  # scored as the search scores
         started[0] = time.monotonic()  # its own time, not the pass-key checks before it
-        point = fmt.measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)))
+        point = fmt.measure(bases, evaluator, rule(math.sqrt(a.r_k * b.r_k), math.sqrt(a.r_v * b.r_v)), remember)
         scored(point)
         return point
 
-    best, record, curve = _keep_passkeys(net, inputs.ref, recipe.passkey, curve, target, patches_for, log, between)
+    best, record, curve = _keep_passkeys(net, inputs.ref, recipe.passkey, curve, target, patches_for, log, between,
+                                         journal.answers)
     return _Found(best, tuple(curve), baseline, record, net)
 
 
@@ -190,7 +199,7 @@ def _reload_for_bake(net: nn.Module, ref: ModelRef, device: str) -> tuple[str, s
 
 
 def _keep_passkeys(net: nn.Module, ref: ModelRef, context: int, curve: list[Point], target: Target, patches_for,
-                   log: Log, between) -> tuple[Point, dict, list[Point]]:
+                   log: Log, between, remember) -> tuple[Point, dict, list[Point]]:
     """plan/longrange.py on prompts of `context` tokens, or the model's whole context if shorter; skipped, and
     recorded as such, where that has no room for the task. Points scored on the way join the curve returned."""
     try:
@@ -199,5 +208,5 @@ def _keep_passkeys(net: nn.Module, ref: ModelRef, context: int, curve: list[Poin
         log(f"pass keys not checked: {e}")
         return best_point(curve, target), {"skipped": str(e)}, curve
     log(f"pass keys at {len(prompts[0].ids)} tokens: the most compressed passing point that keeps the original's")
-    best, record, added = keep_passkeys(net, ref.adapter, prompts, curve, target, patches_for, log, between)
+    best, record, added = keep_passkeys(net, ref.adapter, prompts, curve, target, patches_for, log, between, remember)
     return best, record, sorted([*curve, *added], key=lambda p: (p.r_k, p.r_v))

@@ -128,18 +128,20 @@ class CacheFormat:
     # -- shared --
 
     def search(self, bases: list[LayerBasis], evaluator: Evaluator, target: Target, rule: Callable, *, steps: int,
-               progress=None) -> tuple[Point, list[Point]]:
-        """The most compressed point meeting `target` along the family `rule`, and every point scored."""
+               progress=None, remember: Callable = lambda score: score) -> tuple[Point, list[Point]]:
+        """The most compressed point meeting `target` along the family `rule`, and every point scored;
+        `remember` wraps the scorer (plan/journal.py keeps what it scores)."""
         from kvfold.plan.search import search_rate
 
         r_lo, r_hi = self.search_range(rule)
-        return search_rate(lambda rr: self.plan(bases, rr), self.scorer(bases, evaluator), target, rule,
+        return search_rate(lambda rr: self.plan(bases, rr), remember(self.scorer(bases, evaluator)), target, rule,
                            r_lo=r_lo, r_hi=r_hi, steps=steps, progress=progress)
 
-    def measure(self, bases: list[LayerBasis], evaluator: Evaluator, rule) -> Point:
+    def measure(self, bases: list[LayerBasis], evaluator: Evaluator, rule,
+                remember: Callable = lambda score: score) -> Point:
         """One point scored as the search scores its candidates."""
         from kvfold.plan.point import Point
 
         plan = self.plan(bases, rule)
-        cand, base = self.scorer(bases, evaluator)(plan)
+        cand, base = remember(self.scorer(bases, evaluator))(plan)
         return Point.measured(rule.r_k, rule.r_v, plan.compression, cand, base)
