@@ -9,17 +9,21 @@ niah_multikey_2/3 (haystacks of keys), ruler_vt, ruler_cwe, ruler_fwe; the essay
 task's samples are RULER's own (lm-eval generates 500 per length from the model's tokenizer; the first `samples` are
 scored).
 
-On a CPU a request takes seconds to tens of seconds, so the JSON is resumable: a re-run with the same JSON skips
-every (model, task, length) it already holds at that many samples, and writes after each one (atomically).
+On a CPU a request takes seconds to minutes, so a run is resumable at two levels: a re-run with the same JSON skips
+every (model, task, length) it already holds at that many samples (the JSON is written after each, atomically), and
+within one, lm-eval's own request cache (its `use_cache`, one SQLite file per model's files and served dtype under
+$KVFOLD_CACHE/ruler) answers the requests a stopped run already sent, so it resumes at the next one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 
 from kvfold.errors import KVFoldError
+from kvfold.sources.embedded import cache_root
 from kvfold_bench.openai_server import SERVER_DEFAULT, serve_all
 from kvfold_bench.outputs import write_outputs
 
@@ -47,7 +51,8 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
         for name, base in bases.items():
             for task, n in todo[name]:
                 t0 = time.perf_counter()
-                score = _evaluate(base, models[name], task, n, samples)
+                cache = _request_cache(models[name], dtype) if json_path is not None else None
+                score = _evaluate(base, models[name], task, n, samples, cache)
                 cell = {"score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 1)}
                 report["scores"].setdefault(name, {}).setdefault(task, {})[str(n)] = cell
                 report["points"] = _points(report["scores"])
@@ -56,8 +61,18 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
     return report
 
 
-def _evaluate(base: str, model: Path, task: str, length: int, samples: int) -> float:
-    """lm-eval's score of one task at one length through the server at `base`."""
+def _request_cache(model: Path, dtype: str | None) -> str:
+    """lm-eval's use_cache prefix for `model` served in `dtype`: keyed by its files' names, sizes and times, so an
+    export written again at the same path starts a new cache."""
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(model).iterdir() if f.is_file())
+    key = hashlib.sha256(json.dumps([str(Path(model).resolve()), dtype, files]).encode()).hexdigest()[:24]
+    folder = cache_root() / "ruler"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / key)
+
+
+def _evaluate(base: str, model: Path, task: str, length: int, samples: int, cache: str | None = None) -> float:
+    """lm-eval's score of one task at one length through the server at `base`, its answers cached at `cache`."""
     import lm_eval
     import lm_eval.tasks
 
@@ -71,7 +86,8 @@ def _evaluate(base: str, model: Path, task: str, length: int, samples: int) -> f
     manager = lm_eval.tasks.TaskManager(include_path=str(ruler_dir), include_defaults=False, metadata=args | metadata) \
         if ruler_dir.is_dir() else None
     out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task], limit=samples,
-                                  metadata=metadata, task_manager=manager, log_samples=False, bootstrap_iters=0)
+                                  metadata=metadata, task_manager=manager, log_samples=False, bootstrap_iters=0,
+                                  use_cache=cache)
     value = out["results"][task].get(f"{length},none")
     if not isinstance(value, (int, float)):
         raise KVFoldError(f"lm-eval gave no {length}-token score for {task}: {out['results'][task]}")

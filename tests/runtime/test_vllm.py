@@ -293,17 +293,21 @@ def test_ttft_bench_times_both_servers_on_distinct_prompts(smollm2_exports, tmp_
 
 
 @pytest.mark.slow
-def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_exports, tmp_path):
+def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_exports, tmp_path, monkeypatch):
     """`kvfold-bench ruler` (issue 51): lm-eval's RULER niah_single_1 on the original and the export, served by
     vLLM's OpenAI server (both at once, one sample each, float32: bfloat16 took ~30 s a request on an AVX2 CPU), a
     score per model, task and length, the difference in points; a re-run on the same JSON starts no server and
-    changes nothing; another sample count or dtype is refused for that JSON."""
+    changes nothing; another sample count or dtype is refused for that JSON. Each model's answers are in lm-eval's
+    request cache, which answers them again with no server at all (a stopped run resumes at the next request)."""
     import time
 
+    from sqlitedict import SqliteDict
     from typer.testing import CliRunner
 
+    from kvfold_bench import ruler
     from kvfold_bench.cli import app
 
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ruler.json"
     args = ["ruler", "--export", str(smollm2_exports["p10"]), "--task", "niah_single_1", "--lengths", "1024",
             "--dtype", "float32", "--samples", "1", "--json", str(out)]
@@ -322,6 +326,11 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
     for refused in ([*args[:-3], "2", "--json", str(out)], [a for a in args if a not in ("--dtype", "float32")]):
         other = CliRunner().invoke(app, refused)
         assert other.exit_code == 2 and "holds another run" in other.output
+    caches = sorted((tmp_path / "cache" / "ruler").glob("*.db"))
+    assert len(caches) == 2 and all(len(SqliteDict(str(c))) == 1 for c in caches)
+    export = smollm2_exports["p10"]
+    cache = ruler._request_cache(export, "float32")
+    assert ruler._evaluate("http://127.0.0.1:9", export, "niah_single_1", 1024, 1, cache) == cells["export"]["score"]
 
 
 @pytest.mark.slow
