@@ -342,6 +342,8 @@ def ruler(
     dtype: Annotated[str, typer.Option(help=SERVER_DTYPE_HELP)] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here, and resume from it when it "
                                                   "holds part of the same run [stdout].")] = None,
+    only: Annotated[str | None, typer.Option(help="original or export: that model alone (e.g. the original's "
+                                             "screen of the tasks it can do) [both].")] = None,
 ) -> None:
     """RULER (lm-eval) on an export and its original, each served by vLLM's OpenAI server: per task and length,
     both scores and the difference in points; JSON, resumable."""
@@ -353,12 +355,14 @@ def ruler(
     export = export or cache_root() / "demo" / "SmolLM2-135M-kvfold"
     with user_errors():
         _at_least_1(("--samples", samples))
+        if only not in (None, "original", "export"):
+            raise KVFoldError(f"--only must be original or export, got '{only}'")
         server_dtype = _server_dtype(dtype)
         sizes = _export_lengths(export, lengths)
         if json_out is not None:
             check_paths(json_out)
         report = bench_ruler(export, Path(Manifest.load(export).source.path), list(task or OFFLINE_TASKS), sizes,
-                             samples, json_out, dtype=server_dtype)
+                             samples, json_out, dtype=server_dtype, only=only)
     print(json.dumps(report, indent=2))
 
 

@@ -33,15 +33,17 @@ OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_v
 
 
 def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], samples: int,
-          json_path: Path | None, kv_cache_mib: int = 1024, dtype: str | None = None) -> dict:
+          json_path: Path | None, kv_cache_mib: int = 1024, dtype: str | None = None,
+          only: str | None = None) -> dict:
     """Per model (original, export), task and length: RULER's score (the share of expected strings found, lm-eval's
-    own metric) over the first `samples` samples, both served in vLLM's `dtype` (None: the server's default)."""
+    own metric) over the first `samples` samples, both served in vLLM's `dtype` (None: the server's default);
+    `only` ("original" or "export"): that model alone (the original's screen of which tasks count)."""
     unknown = [t for t in tasks if t not in OFFLINE_TASKS]
     if unknown:
         raise KVFoldError(f"--task {', '.join(unknown)}: choose from the RULER tasks that run offline: "
                           f"{', '.join(OFFLINE_TASKS)}")
     report = _resumed(json_path, export, original, samples, dtype or SERVER_DEFAULT)
-    models = {"original": original, "export": export}
+    models = {name: path for name, path in (("original", original), ("export", export)) if only in (None, name)}
     todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
             for name in models}
     serving = {name: path for name, path in models.items() if todo[name]}

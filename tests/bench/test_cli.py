@@ -49,6 +49,7 @@ def test_bench_is_its_own_console_script_not_a_kvfold_command():
     (["openai", "--export", "{tmp}", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["ttft", "--export", "{tmp}", "--dtype", "int8"], "--dtype must be auto, float32"),
     (["ruler", "--export", "{tmp}", "--dtype", "fp8"], "--dtype must be auto, float32"),
+    (["ruler", "--export", "{tmp}", "--only", "both"], "--only must be original or export"),
     (["compile", "--tokens", "0"], "--tokens must be at least 1"),
     (["compile", "--dtype", "int8"], "--dtype must be one of"),
     (["compile", "--verify-dtype", "int8"], "--verify-dtype must be one of"),
