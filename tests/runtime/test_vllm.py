@@ -293,7 +293,7 @@ def test_ttft_bench_times_both_servers_on_distinct_prompts(smollm2_exports, tmp_
 
 
 @pytest.mark.slow
-def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_exports, tmp_path, monkeypatch):
+def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_exports, tmp_path):
     """`kvfold-bench ruler` (issue 51): lm-eval's RULER niah_single_1 on the original and the export, served by
     vLLM's OpenAI server (both at once, one sample each, float32: bfloat16 took ~30 s a request on an AVX2 CPU), a
     score per model, task and length, the difference in points; a re-run on the same JSON starts no server and
@@ -307,7 +307,7 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
     from kvfold_bench import ruler
     from kvfold_bench.cli import app
 
-    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "cache"))
+
     out = tmp_path / "ruler.json"
     args = ["ruler", "--export", str(smollm2_exports["p10"]), "--task", "niah_single_1", "--lengths", "1024",
             "--dtype", "float32", "--samples", "1", "--json", str(out)]
@@ -326,11 +326,11 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
     for refused in ([*args[:-3], "2", "--json", str(out)], [a for a in args if a not in ("--dtype", "float32")]):
         other = CliRunner().invoke(app, refused)
         assert other.exit_code == 2 and "holds another run" in other.output
-    caches = sorted((tmp_path / "cache" / "ruler").glob("*.db"))
-    assert len(caches) == 2 and all(len(SqliteDict(str(c))) == 1 for c in caches)
     export = smollm2_exports["p10"]
-    cache = ruler._request_cache(export, "float32")
-    assert ruler._evaluate("http://127.0.0.1:9", export, "niah_single_1", 1024, 1, cache) == cells["export"]["score"]
+    caches = [ruler._request_cache(m, "float32") for m in (Path(report["original"]), export)]
+    assert all(len(SqliteDict(c + "_rank0.db")) == 1 for c in caches)  # lm-eval's file name for its use_cache
+    again = ruler._evaluate("http://127.0.0.1:9", export, "niah_single_1", 1024, 1, caches[1])  # no server there
+    assert again == cells["export"]["score"]
 
 
 @pytest.mark.slow
