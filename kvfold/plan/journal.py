@@ -22,14 +22,12 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TypeVar
 
 from kvfold.measure.metrics import Metrics
 from kvfold.measure.passkey import Answers
 
 __all__ = ["Journal"]
 
-T = TypeVar("T")
 BASELINE_RTOL = 1e-6  # the original's NLL may differ by this much between runs and the journal still apply
 
 
