@@ -333,20 +333,16 @@ def ttft(
 @app.command()
 def ruler(
     export: Annotated[Path | None, typer.Option(help="An exported directory [the one scripts/demo.sh writes].")] = None,
-    task: Annotated[list[str] | None, typer.Option(help="RULER tasks that run offline [niah_single_1, "
-                                                  "niah_multikey_2, niah_multikey_3, ruler_vt, ruler_cwe, "
-                                                  "ruler_fwe].")] = None,
-    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated (within the model's "
-                                         "context).")] = "4096",
+    task: Annotated[list[str] | None, typer.Option(help="RULER tasks that run offline [niah_single_1, niah_multikey_2, "
+                                                  "niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe].")] = None,
+    lengths: Annotated[str, typer.Option(help="Context lengths, comma-separated (within the model's).")] = "4096",
     samples: Annotated[int, typer.Option(help="Samples per task and length (RULER's own, the first N).")] = 20,
     dtype: Annotated[str, typer.Option(help=SERVER_DTYPE_HELP)] = "auto",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the JSON here, and resume from it when it "
                                                   "holds part of the same run [stdout].")] = None,
-    only: Annotated[str | None, typer.Option(help="original or export: that model alone (e.g. the original's "
-                                             "screen of the tasks it can do) [both].")] = None,
+    only: Annotated[str | None, typer.Option(help="original or export: that model alone (a screen) [both].")] = None,
 ) -> None:
-    """RULER (lm-eval) on an export and its original, each served by vLLM's OpenAI server: per task and length,
-    both scores and the difference in points; JSON, resumable."""
+    """RULER (lm-eval) on an export and its original through vLLM's OpenAI server, in points; JSON, resumable."""
     from kvfold.checkpoint.manifest import Manifest
     from kvfold_bench.outputs import check_paths
     from kvfold_bench.ruler import OFFLINE_TASKS
