@@ -51,9 +51,9 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
         return report
     with serve_all(serving, dtype=dtype, max_model_len=max(lengths), kv_cache_bytes=kv_cache_mib << 20) as bases:
         for name, base in bases.items():
+            cache = _request_cache(models[name], dtype) if json_path is not None else None
             for task, n in todo[name]:
                 t0 = time.perf_counter()
-                cache = _request_cache(models[name], dtype) if json_path is not None else None
                 score = _evaluate(base, models[name], task, n, samples, cache)
                 cell = {"score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 1)}
                 report["scores"].setdefault(name, {}).setdefault(task, {})[str(n)] = cell
