@@ -87,7 +87,7 @@ class Kivi:
 
     @property
     def label(self) -> str:
-        return f"KIVI int{self.bits} (no fp16 residual)"
+        return f"KIVI int{self.bits} (group {GROUP})"  # its residual, if any, is in recent.py's label
 
     def candidates(self, setup) -> Iterator[Candidate]:
         from kvfold.hooks import AttentionPatch
