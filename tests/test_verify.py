@@ -49,6 +49,7 @@ def test_an_intact_export_passes(exported):
     assert report["kv_bytes_ratio"] == pytest.approx(1 - manifest["chosen"]["compression"], abs=1e-12)
     gen = report["generation"]
     assert report["kv_bytes_ratio"] < 1 and len(gen["runs"]) == 4 and gen["forced_tokens"] == 4 * 32
+    assert report["kv_fraction_at"] == {}  # the same fraction at every length
     assert all(r["new_tokens"] == 32 for r in gen["runs"]) and 0 <= gen["forced_agreement"] <= 1
     # the tiny model's 256 positions hold no passkey prompt: said, not failed
     assert "context of 256 tokens is too short" in report["passkey"]["skipped"]
@@ -312,6 +313,11 @@ def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs,
     whole = 4 * (sum(map(sum, m.d_k)) + sum(map(sum, m.d_v)))
     tokens = 128  # verify's live-cache prompt (serving.KV_BYTES_TOKENS)
     assert report["kv_bytes_per_token"]["exported"] == pytest.approx(coded + whole * (2 + 8) / tokens)
+    # the live cache of 128 tokens is mostly whole rows; the fraction a user serves at length is stated beside it
+    assert report["kv_fraction_at"] == {str(n): pytest.approx(block.bytes_per_token(context=n) / fp16)
+                                        for n in (128, 32768)}
+    assert report["kv_fraction_at"]["32768"] < report["kv_fraction_at"]["128"]
+    assert "of float16 at 32,768 tokens" in {c["name"]: c["detail"] for c in report["checks"]}["kv_bytes"]
     assert_user_error(run("export", tiny_dirs[LLAMA], "--calib", calib, "--accuracy", 0.9, "--window", 8,
                           "-o", tmp_path / "x"), "--sinks and --window keep tokens whole", tmp_path / "x")
 

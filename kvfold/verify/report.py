@@ -27,6 +27,8 @@ class VerifyReport:
     kv_bytes_per_token: dict[str, float] = field(default_factory=dict)  # original / exported, from live caches
     kv_bytes_ratio: float | None = None
     expected_kv_bytes_ratio: float | None = None  # from the manifest's ranks and the tokens each layer holds
+    # a windowed export's bytes a token as a fraction of float16's, by context length (serving._at_length)
+    kv_fraction_at: dict[str, float] = field(default_factory=dict)
     # runs: per prompt the two greedy continuations and the first differing position (None: identical);
     # forced_agreement: the export's next token = the original's, reading the original's continuations
     generation: dict[str, object] = field(default_factory=dict)

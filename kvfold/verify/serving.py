@@ -15,6 +15,7 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.measure.evaluate import Reference, score_model
 from kvfold.measure.passkey import passkey_answers, passkey_length, passkey_prompts, passkey_summary
+from kvfold.plan.bit_plan import fp16_bytes_per_token
 from kvfold.plan.point import Point
 from kvfold.progress import progress
 from kvfold.sources.models import ModelRef, from_pretrained, load_model, weights_sha256
@@ -170,8 +171,21 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
                                f"cache = {report.kv_bytes_ratio:.4f}; expected from the manifest's "
                                f"{'bit bands' if m.k_bits else 'ranks'} and the tokens each layer holds "
                                f"{report.expected_kv_bytes_ratio:.4f} (1 − p = {1 - m.chosen.compression:.4f}"
-                               f"{' of float16' if m.k_bits else ''})"))
+                               f"{' of float16' if m.k_bits else ''}){_at_length(m, context, report)}"))
     _generation(m, tokenizer, original, served, first, new_tokens, report)
+
+
+def _at_length(m: Manifest, context: int, report: VerifyReport) -> str:
+    """A windowed export's bytes a token fall with the context (its whole tokens are a fixed count), so the live
+    cache of KV_BYTES_TOKENS tokens, mostly whole, says little of them: its fraction of float16's bytes at the
+    verified context and at 32K, by the runtime's accounting (ConfigBlock.bytes_per_token, whole tokens at 2 bytes
+    a number), which the live check above confirms at its length. Recorded in `report`; the words for the check."""
+    block = m.config_block()
+    if not block.windowed:
+        return ""
+    fp16 = fp16_bytes_per_token(m.head_dim, m.num_kv_heads * len(m.d_k))
+    report.kv_fraction_at = {str(n): block.bytes_per_token(context=n) / fp16 for n in sorted({context, 32768})}
+    return "; " + ", ".join(f"{f:.4f} of float16 at {int(n):,} tokens" for n, f in report.kv_fraction_at.items())
 
 
 def _passkey(tokenizer, original, served, context: int, report: VerifyReport) -> None:
