@@ -32,25 +32,43 @@ def _ids(seed: int, n: int = 20) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_window_attention_reads_each_rows_window_whole():
+@pytest.mark.parametrize("rows", [256, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_attention_reads_each_rows_window_whole(monkeypatch, rows, padded):
     """Query row i (at position S − T + i) reads key j whole where j < sinks or i − j < window, coded elsewhere:
-    the reference attention run row by row on keys mixed that way is the oracle (GQA, uneven widths)."""
+    the reference attention run row by row on keys mixed that way is the oracle (GQA, uneven widths). In blocks of
+    3 rows each block reads only the keys up to its last row's; with transformers' bool mask and the second
+    sequence left-padded by 2 slots, its real rows read from slot 2 on and its padding rows stay finite."""
+    import kvfold_runtime.kernels.torch_window as torch_window
+
+    monkeypatch.setattr(torch_window, "_ROWS", rows)
     gen = torch.Generator().manual_seed(0)
-    d_k, d_v, group, t, s, sinks, window = [5, 3], [4, 6], 2, 7, 12, 2, 3
+    d_k, d_v, group, t, s, sinks, window, pad = [5, 3], [4, 6], 2, 7, 12, 2, 3, 2
+    if padded:  # a prefill: the padding slots are query rows too
+        t = s
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q = rnd(2, t, group * sum(d_k))
     k0, k1, v0, v1 = rnd(2, s, sum(d_k)), rnd(2, s, sum(d_k)), rnd(2, s, sum(d_v)), rnd(2, s, sum(d_v))
-    got = window_attention(q, k0, v0, k1, v1, d_k, d_v, group, scaling=0.3, sinks=sinks, window=window)
-    for i in range(t):
-        pos = s - t + i
-        whole = torch.tensor([j < sinks or pos - j < window for j in range(pos + 1)])[None, :, None]
-        k = torch.where(whole, k0[:, :pos + 1], k1[:, :pos + 1])
-        v = torch.where(whole, v0[:, :pos + 1], v1[:, :pos + 1])
-        want = reference_attention(q[:, i:i + 1], k, v, d_k, d_v, group, scaling=0.3)
-        torch.testing.assert_close(got[:, i:i + 1], want)
+    mask = None
+    if padded:
+        mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)[None, None].repeat(2, 1, 1, 1)
+        mask[1, :, :, :pad] = False
+    got = window_attention(q, k0, v0, k1, v1, d_k, d_v, group, scaling=0.3, sinks=sinks, window=window, mask=mask)
+    assert got.isfinite().all()
+    for b in range(2):
+        first = pad if padded and b == 1 else 0
+        for i in range(t):
+            pos = s - t + i
+            if pos < first:
+                continue
+            whole = torch.tensor([j < sinks or pos - j < window for j in range(first, pos + 1)])[None, :, None]
+            k = torch.where(whole, k0[b:b + 1, first:pos + 1], k1[b:b + 1, first:pos + 1])
+            v = torch.where(whole, v0[b:b + 1, first:pos + 1], v1[b:b + 1, first:pos + 1])
+            want = reference_attention(q[b:b + 1, i:i + 1], k, v, d_k, d_v, group, scaling=0.3)
+            torch.testing.assert_close(got[b:b + 1, i:i + 1], want)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
