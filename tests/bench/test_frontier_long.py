@@ -161,11 +161,13 @@ def test_kvfold_int2_is_oscars_int2_in_kvfolds_bases(setup):
     _, k1, v1 = patch.before(None, k, v)
     h, b, a = hadamard(d).double(), basis.qk_b.double(), basis.v_a.double()
     mu = (basis.k_mean if basis.k_mean is not None else torch.zeros(h_kv, d)).double()
+    # a row's scale and zero are float16: the method's float32 projection and this float64 one can round them an ulp
+    # apart (2⁻¹¹ relative: 0.0024 measured on one CPU), far below a wrong basis's or clip's error (order 1)
     for g in range(h_kv):
         y = int2_roundtrip((k[0, g].double() - mu[g]) @ b[g] @ h, CLIP_K)
-        assert torch.allclose(k1[0, g].double(), y @ h @ torch.linalg.inv(b[g]) + mu[g], atol=1e-4)
+        assert torch.allclose(k1[0, g].double(), y @ h @ torch.linalg.inv(b[g]) + mu[g], atol=1e-2)
         y = int2_roundtrip(v[0, g].double() @ a[g] @ h, CLIP_V)
-        assert torch.allclose(v1[0, g].double(), y @ h @ torch.linalg.inv(a[g]), atol=1e-4)
+        assert torch.allclose(v1[0, g].double(), y @ h @ torch.linalg.inv(a[g]), atol=1e-2)
     # the rounding is real: the rounded keys differ from the originals, and the model's logits move where tokens are
     # rounded (the tiny model's 256-token windows lie inside 64 + 256 whole tokens; 4 + 64 leave most rounded)
     assert not torch.allclose(k1, k, atol=1e-2)
