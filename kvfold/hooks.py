@@ -22,6 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from kvfold.adapters import Adapter
+from kvfold_runtime import window_reads
 
 __all__ = ["AttentionPatch", "OutTap", "QKVTap", "exact_recent_attention", "patched", "tapped"]
 
@@ -74,15 +75,9 @@ def exact_recent_attention(query: torch.Tensor, exact: tuple[torch.Tensor, torch
     out = []
     for a in range(0, t, _ROWS):
         e = min(a + _ROWS, t)
-        lo, hi = max(0, a - window + 1), max(sinks, e - window)
-        below = min(sinks, lo)  # sinks left of the band
-        i = torch.arange(a, e, device=query.device)[:, None]
-        j = torch.arange(lo, e, device=query.device)[None, :]
-        band = ((j < sinks) | (i - j < window)) & (j <= i)
-        coded = torch.arange(sinks, hi, device=query.device)[None, :] <= i - window
-        mask = torch.cat([band.new_ones(e - a, below), band, coded], 1)
-        k = torch.cat([k0[:, :, :below], k0[:, :, lo:e], k1[:, :, sinks:hi]], 2)
-        v = torch.cat([v0[:, :, :below], v0[:, :, lo:e], v1[:, :, sinks:hi]], 2)
+        mask, whole, coded = window_reads(a, e, sinks, window, query.device)  # as the runtime serves them
+        k = torch.cat([k0[:, :, whole], k1[:, :, coded]], 2)
+        v = torch.cat([v0[:, :, whole], v1[:, :, coded]], 2)
         out.append(F.scaled_dot_product_attention(q[:, :, a:e], k, v, attn_mask=mask, scale=scaling,
                                                   enable_gqa=group > 1))
     return torch.cat(out, dim=2).transpose(1, 2).to(query.dtype)

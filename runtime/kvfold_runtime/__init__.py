@@ -9,7 +9,8 @@ cache, `row_codec`, `NumberRows` / `BandRows`: a layer's numbers, or its band co
 dispatch: Triton on CUDA, torch elsewhere; KVFOLD_KERNELS), `kernels_for`, and the Triton kernels
 `decode_attention`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention`, and over a
 bits-format cache `bits_attention`, `paged_bits_attention` (codes dequantized in registers; vLLM's on CUDA)
-(imported on first use: triton is needed only where they run).
+(imported on first use: triton is needed only where they run), and `window_reads` (the keys a block of
+queries reads in a cache that keeps its sink and recent tokens whole, and which query reads which).
 
 The checkpoint contract (kvfold_runtime.format, the one definition kvfold writes and every runtime reads):
 `MANIFEST` (the manifest's file name), `SCHEMA_VERSION` and `check_schema`, `Q_POST` / `K_POST` (tensor names
@@ -65,6 +66,7 @@ from kvfold_runtime.kernels import (
     sdpa_attention,
     write_paged,
 )
+from kvfold_runtime.kernels.torch_window import window_reads
 
 __version__ = "0.1.0"
 __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_POST", "K_SHIFT", "LEGACY_BAND_SCALE",
@@ -73,7 +75,8 @@ __all__ = ["BAND_SCALES", "BAND_WIDTHS", "DEFAULT_BAND_SCALE", "FAMILIES", "K_PO
            "check_export", "check_schema", "decode_attention", "encode_band_rows", "head_dim", "kernels_for",
            "kv_cache_bytes", "model_dims", "pack_bits", "paged_attention", "paged_bits_attention",
            "paged_decode_attention", "paged_prefill_attention", "prefill_attention", "reference_attention", "register",
-           "row_codec", "runtime_class", "runtime_class_name", "sdpa_attention", "tensor_shapes", "write_paged"]
+           "row_codec", "runtime_class", "runtime_class_name", "sdpa_attention", "tensor_shapes", "window_reads",
+           "write_paged"]
 
 _TRITON = {"decode_attention": "triton_decode", "paged_decode_attention": "triton_decode",
            "prefill_attention": "triton_prefill", "paged_prefill_attention": "triton_prefill",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvfold_runtime.kernels.masks import additive, head_mask
 
-__all__ = ["window_attention"]
+__all__ = ["window_attention", "window_reads"]
 
 _ROWS = 256  # query rows per block of the several-row path
 
@@ -42,7 +42,7 @@ def window_attention(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tens
     qs = q.split([group * w for w in d_k], -1)
     k0s, k1s = k_exact.split(d_k, -1), k_coded.split(d_k, -1)
     v0s, v1s = v_exact.split(d_v, -1), v_coded.split(d_v, -1)
-    blocks = [_block(first + a, first + min(a + _ROWS, t), sinks, window, q.device) for a in range(0, t, _ROWS)]
+    blocks = [window_reads(first + a, first + min(a + _ROWS, t), sinks, window, q.device) for a in range(0, t, _ROWS)]
     out = []
     for g, (dk, dv) in enumerate(zip(d_k, d_v, strict=True)):
         qg = qs[g].view(b, t, group, dk).transpose(1, 2).to(acc)  # [B, group, T, dk]
@@ -64,11 +64,13 @@ def window_attention(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tens
     return torch.cat(out, -1)
 
 
-def _block(start: int, end: int, sinks: int, window: int, device) -> tuple[torch.Tensor, torch.Tensor, slice]:
+def window_reads(start: int, end: int, sinks: int, window: int,
+                 device=None) -> tuple[torch.Tensor, torch.Tensor, slice]:
     """The keys the queries at positions [start, end) read: `whole`, positions of exact rows (the sinks left of the
     band, then the band [start − window + 1, end)), and `coded`, a slice of the coded rows ([sinks, end − window));
     and `reads` [rows, n]: which of those keys each row reads (its sinks and window whole, older tokens coded, none
-    past itself)."""
+    past itself). The one definition of which tokens a windowed cache serves whole: kvfold's export scores its
+    candidates by it (kvfold.hooks.exact_recent_attention)."""
     lo, hi = max(0, start - window + 1), max(sinks, end - window)
     below = min(sinks, lo)  # sinks left of the band
     pos = torch.arange(start, end, device=device)[:, None]
