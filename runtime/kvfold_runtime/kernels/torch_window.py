@@ -43,6 +43,8 @@ def window_attention(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tens
     k0s, k1s = k_exact.split(d_k, -1), k_coded.split(d_k, -1)
     v0s, v1s = v_exact.split(d_v, -1), v_coded.split(d_v, -1)
     blocks = [window_reads(first + a, first + min(a + _ROWS, t), sinks, window, q.device) for a in range(0, t, _ROWS)]
+    floor = torch.finfo(acc).min
+    biases = [torch.zeros(r.shape, dtype=acc, device=q.device).masked_fill(~r, floor) for r, _, _ in blocks]
     out = []
     for g, (dk, dv) in enumerate(zip(d_k, d_v, strict=True)):
         qg = qs[g].view(b, t, group, dk).transpose(1, 2).to(acc)  # [B, group, T, dk]
@@ -50,10 +52,9 @@ def window_attention(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tens
         v0, v1 = v0s[g].to(acc)[:, None], v1s[g].to(acc)[:, None]
         m = None if mask is None else _mask(mask, g * group, group, t, s, q.device, acc)  # [B|1, group|1, T, S]
         rows = []
-        for a, (reads, whole, coded) in zip(range(0, t, _ROWS), blocks, strict=True):
+        for a, (reads, whole, coded), bias in zip(range(0, t, _ROWS), blocks, biases, strict=True):
             k = torch.cat([k0[:, :, whole], k1[:, :, coded]], 2).expand(-1, group, -1, -1)
             v = torch.cat([v0[:, :, whole], v1[:, :, coded]], 2).expand(-1, group, -1, -1)
-            bias = torch.zeros(reads.shape, dtype=acc, device=q.device).masked_fill(~reads, torch.finfo(acc).min)
             if m is not None:  # transformers' mask too (left padding), at the same keys
                 given = m[..., a:a + reads.shape[0], :]
                 bias = torch.where(reads, torch.cat([given[..., whole], given[..., coded]], -1).to(acc), bias)
