@@ -8,7 +8,6 @@ from rich.table import Table
 
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
-from kvfold.plan.bit_plan import fp16_bytes_per_token
 
 __all__ = ["calib_summary", "export_summary", "spectrum_table", "verify_table"]
 
@@ -36,8 +35,7 @@ def _windowed(m) -> str:
     """A windowed export's whole tokens, and its bytes at 32K beside the 4,096 tokens `p` is stated at."""
     if not (m.sinks or m.window):
         return ""
-    at_32k = m.config_block().bytes_per_token(context=32768) / fp16_bytes_per_token(m.head_dim,
-                                                                                    m.num_kv_heads * len(m.d_k))
+    at_32k = m.kv_fraction(32768)
     return f" at 4,096 tokens with the first {m.sinks} and last {m.window} kept whole ({at_32k:.1%} at 32K)"
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import kvfold
 from kvfold.calib.artifact import CalibHeader
 from kvfold.errors import KVFoldError
-from kvfold.plan.bit_plan import KEY_MIN_BITS
+from kvfold.plan.bit_plan import KEY_MIN_BITS, fp16_bytes_per_token
 from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportPlan, PreviousExport
 from kvfold.plan.formats import get_format
@@ -236,6 +236,12 @@ class Manifest(_Frozen):
         return ConfigBlock(self.d_k, self.d_v, bool(self.extra_tensors), self.k_bits, self.v_bits, self.band_scale,
                            self.schema_version, key_shift=any(n.endswith(K_SHIFT) for n in self.extra_tensors),
                            sinks=self.sinks, window=self.window)
+
+    def kv_fraction(self, context: int) -> float:
+        """The cache's bytes a token at `context` tokens as a fraction of float16's, by the runtime's accounting (a
+        windowed export's whole tokens at 2 bytes a number, a fixed count: its fraction falls with the context)."""
+        fp16 = fp16_bytes_per_token(self.head_dim, self.num_kv_heads * len(self.d_k))
+        return self.config_block().bytes_per_token(context=context) / fp16
 
     def accuracy_target(self) -> Target | None:
         """The target the search met (None when the export was made for a compression)."""

@@ -15,7 +15,6 @@ from kvfold.checkpoint.manifest import Manifest
 from kvfold.errors import KVFoldError
 from kvfold.measure.evaluate import Reference, score_model
 from kvfold.measure.passkey import passkey_answers, passkey_length, passkey_prompts, passkey_summary
-from kvfold.plan.bit_plan import fp16_bytes_per_token
 from kvfold.plan.point import Point
 from kvfold.progress import progress
 from kvfold.sources.models import ModelRef, from_pretrained, load_model, weights_sha256
@@ -178,13 +177,11 @@ def serving_checks(directory: Path, m: Manifest, against: ModelRef, report: Veri
 def _at_length(m: Manifest, context: int, report: VerifyReport) -> str:
     """A windowed export's bytes a token fall with the context (its whole tokens are a fixed count), so the live
     cache of KV_BYTES_TOKENS tokens, mostly whole, says little of them: its fraction of float16's bytes at the
-    verified context and at 32K, by the runtime's accounting (ConfigBlock.bytes_per_token, whole tokens at 2 bytes
-    a number), which the live check above confirms at its length. Recorded in `report`; the words for the check."""
-    block = m.config_block()
-    if not block.windowed:
+    verified context and at 32K, by the runtime's accounting (Manifest.kv_fraction), which the live check above
+    confirms at its length. Recorded in `report`; the words for the check."""
+    if not m.config_block().windowed:
         return ""
-    fp16 = fp16_bytes_per_token(m.head_dim, m.num_kv_heads * len(m.d_k))
-    report.kv_fraction_at = {str(n): block.bytes_per_token(context=n) / fp16 for n in sorted({context, 32768})}
+    report.kv_fraction_at = {str(n): m.kv_fraction(n) for n in sorted({context, 32768})}
     return "; " + ", ".join(f"{f:.4f} of float16 at {int(n):,} tokens" for n, f in report.kv_fraction_at.items())
 
 
