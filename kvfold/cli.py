@@ -139,8 +139,8 @@ def export(
                                                f"bits cache [{WINDOW} where the model's positions reach "
                                                f"{LONG_CONTEXT}, else 0].")] = None,
     key_bits: Annotated[int | None, typer.Option(help="Bits format: store no key dim below this many bits (keys are "
-                                                 "never dropped) [4]; 2 met long-context accuracy targets with fewer "
-                                                 "bytes, but kept fewer pass keys on SmolLM2.")] = None,
+                                                 "never dropped) [windowed: 2 where its point keeps the pass keys, "
+                                                 "else 4; plain: 4].")] = None,
     context: Annotated[int | None, typer.Option(help="Longest context to serve (RoPE models): fit the rotations "
                                                 "to keys at every position up to it [the model's max_position_"
                                                 "embeddings]; 0: as calibrated, positions 0–511.")] = None,

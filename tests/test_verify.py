@@ -281,8 +281,8 @@ def test_a_bits_format_export_verifies_and_its_cache_holds_the_band_bytes(tiny_d
 
 
 def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs, exported, tmp_path):
-    """export --format bits --sinks 2 --window 8 --key-bits 2 (issue 51): searched on the cache that keeps those tokens
-    whole, keys down to 2 bits (recorded in the manifest), in
+    """export --format bits --sinks 2 --window 8 (issue 51): searched on the cache that keeps those tokens whole, keys
+    down to 2 bits (the windowed default where no pass key binds: --passkey 0; recorded in the manifest), in
     128-token windows scored from position 48 on (--search-context, --score-from); the counts in the manifest and
     config.json, its compression stated at 4,096 tokens with the whole rows counted; verify passes on the served
     model, scoring the search's windows by default, whose live cache holds the codes of every token and the whole
@@ -294,13 +294,18 @@ def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs,
     calib, out = exported[0].parent / "calib", tmp_path / "windowed"
     result = run("export", tiny_dirs[LLAMA], "--calib", calib, "--eval-text", exported[1], "--eval-tokens", 1024,
                  "--accuracy", 0.9, "--format", "bits", "--passkey", 0, "--sinks", 2, "--window", 8,
-                 "--key-bits", 2, "--search-context", 128, "--score-from", 48, "-o", out)
+                 "--search-context", 128, "--score-from", 48, "-o", out)
     assert result.exit_code == 0, result.output
     assert "at 4,096 tokens with the first 2 and last 8 kept whole" in " ".join(result.stdout.split())
     m = Manifest.load(out)
     block = m.config_block()
     assert (m.sinks, m.window, m.search_context, m.score_from) == (2, 8, 128, 48) and block.windowed
-    assert m.key_bits == 2 and m.previous_export(out).key_bits == 2  # --key-bits 2, recorded for a reused curve
+    assert m.key_bits == 2 and m.previous_export(out).key_bits == 2  # recorded for a reused curve
+    again = run("export", tiny_dirs[LLAMA], "--calib", calib, "--accuracy", 0.9, "--format", "bits", "--passkey", 0,
+                "--sinks", 2, "--window", 8, "--search-context", 128, "--score-from", 48, "--reuse-curve", out,
+                "-o", tmp_path / "again")  # the key floor it chose is the reused curve's, without --key-bits
+    assert again.exit_code == 0, again.output
+    assert Manifest.load(tmp_path / "again").key_bits == 2
     assert {k: json.loads((out / "config.json").read_text())["kvfold"][k] for k in ("sinks", "window")} == \
         {"sinks": 2, "window": 8}
     fp16 = 2 * 2 * m.head_dim * m.num_kv_heads * len(m.d_k)

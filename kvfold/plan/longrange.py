@@ -43,12 +43,20 @@ from kvfold.measure.passkey import Answers, PasskeyPrompt, passkey_answers
 from kvfold.plan.criteria import Target
 from kvfold.plan.point import Point
 
-__all__ = ["NUDGES", "Verdict", "judge", "keep_passkeys"]
+__all__ = ["NUDGES", "PasskeysLost", "Verdict", "judge", "keep_passkeys"]
 
 NUDGES = (0.0, 1e-6, -1e-6)  # a quantized cache's roundings the check runs (plan/stored.banded)
 Z = 1.645  # a kept key's mean margin is at least Z spreads: ≤ 5% chance a fresh rounding loses it (docstring)
 REFINE_GAP = 0.01  # compression p between the point kept and the next rejected one worth a point between them
 REFINE_STEPS = 3
+
+
+class PasskeysLost(KVFoldError):
+    """No point that meets the target keeps the pass keys; `record` is the check's (its rejected points)."""
+
+    def __init__(self, message: str, record: dict) -> None:
+        super().__init__(message)
+        self.record = record
 
 
 def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPrompt], curve: list[Point],
@@ -112,10 +120,10 @@ def keep_passkeys(model: nn.Module, adapter: Adapter, prompts: list[PasskeyPromp
         return point, {**record, "retrieved": fewest, **margin, "compression": point.compression,
                        **({"refined": len(added)} if added else {})}, added
     best = max(record["rejected"], key=lambda r: (r["retrieved"], r["mean"] - Z * r["spread"]))
-    raise KVFoldError(f"no compression that meets the target keeps the pass keys at {record['context']} tokens (the "
+    raise PasskeysLost(f"no compression that meets the target keeps the pass keys at {record['context']} tokens (the "
                       f"best retrieves {best['retrieved']}/{len(prompts)}, its closest key by {best['mean']:+.2f} "
                       f"± {best['spread']:.2f} nats over roundings; the original {want}); ask for a higher accuracy, "
-                      "or pass --passkey 0 if the model will only serve short contexts")
+                      "or pass --passkey 0 if the model will only serve short contexts", record)
 
 
 class Verdict(NamedTuple):

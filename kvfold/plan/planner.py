@@ -8,6 +8,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ from kvfold.plan.criteria import Target
 from kvfold.plan.export_plan import Baseline, ExportInputs, ExportPlan
 from kvfold.plan.formats import CacheFormat, get_format
 from kvfold.plan.journal import Journal
-from kvfold.plan.longrange import keep_passkeys
+from kvfold.plan.longrange import PasskeysLost, keep_passkeys
 from kvfold.plan.point import Point
 from kvfold.plan.ranks import RankRule
 from kvfold.plan.recipe import Recipe
@@ -50,6 +51,8 @@ class _Found(NamedTuple):
     baseline: Baseline
     passkey: dict | None
     model: nn.Module  # the model the search and the pass-key check ran
+    rule: Rule  # the family searched (a key floor of its own where _key_floor chose one)
+    lost: bool = False  # `best` lost a pass key (a first_only check: the caller searches again)
 
 
 def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda line: None,
@@ -77,10 +80,14 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
     rule = partial(_rule, recipe, scales)
     if previous is not None:
         best, passkey = pick(previous.curve, recipe, target, previous.passkey)
-        found = _Found(best, previous.curve, previous.baseline, passkey, net)
+        found = _Found(best, previous.curve, previous.baseline, passkey, net, rule)
+    elif recipe.key_bits is None:  # a windowed bits export's key floor, chosen by measurement (_key_floor)
+        found = _key_floor(inputs, fmt, net, bases, windows, target, scales, log, journal or Journal(None))
     else:
-        found = _search(inputs, fmt, net, bases, windows, target, rule, log, journal or Journal(None))
-    chosen = rule(found.best.r_k, found.best.r_v)
+        journal = journal or Journal(None)
+        found = _search(inputs, fmt, net, bases, _Scoring.of(inputs, net, windows, journal, log), target, rule, log,
+                        journal)
+    chosen = found.rule(found.best.r_k, found.best.r_v)
     ranks, bits, factors = fmt.export_parts(bases, chosen)
     reload = _reload_for_bake(found.model, ref, device)
     model = found.model if reload is None else None
@@ -137,21 +144,63 @@ def _layer_scales(inputs: ExportInputs, fmt: CacheFormat, bases: list[LayerBasis
     return fmt.sensitivity(bases, probe, recipe, log)
 
 
-def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], windows: Sequences,
-            target: Target | None, rule: Rule, log: Log, journal: Journal) -> _Found:
-    """Score the original, search for the target (or score the one point of a compression target), then keep
-    the chosen point only if it retrieves the original's pass keys (plan/longrange.py); what `journal` holds is
-    not measured again."""
+class _Scoring(NamedTuple):
+    """The original scored once on the search's windows: every search of an export compares with it."""
+    evaluator: Evaluator
+    baseline: Baseline
+
+    @classmethod
+    def of(cls, inputs: ExportInputs, net: nn.Module, windows: Sequences, journal: Journal, log: Log) -> _Scoring:
+        recipe = inputs.recipe
+        log(f"scoring the original on {windows.num_tokens} tokens of {recipe.eval_text}")
+        evaluator = Evaluator(net, inputs.ref.adapter, windows, start=recipe.score_from)
+        base = evaluator.baseline
+        journal.check_baseline(base)
+        return cls(evaluator, Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1,
+                                       ppl=base.ppl, context=recipe.search_context, score_from=recipe.score_from))
+
+
+# A windowed bits export without --key-bits tries keys down to 2 bits first: at long context that met the accuracy
+# target with a fifth fewer bytes than keys ≥ 4 bits on Qwen2.5-Coder-1.5B and kept its pass keys (+3.97 nats), but
+# on SmolLM2-135M it lost 2 of 10 keys at its accuracy point and kept them only at 0.295 of fp16's bytes, above the
+# 0.289 keys ≥ 4 bits keep them at (docs/long-context.md). So its accuracy point is taken only if it keeps the pass
+# keys as it is; otherwise the search runs again with keys ≥ 4 bits, and its pass-key check as always. The first
+# search's figures, and the one pass-key check, are the price on a model like SmolLM2.
+KEY_FLOORS = (2, 4)
+
+
+def _key_floor(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], windows: Sequences,
+               target: Target | None, scales: LayerScales | HeadScales | None, log: Log, journal: Journal) -> _Found:
+    """The search at each key floor of KEY_FLOORS in turn (the comment above), the first whose accuracy point keeps
+    the pass keys, or the last's with its pass-key check; the manifest's pass-key record names the floors tried."""
+    scoring = _Scoring.of(inputs, net, windows, journal, log)
+    lower: list[dict] = []
+    for floor in KEY_FLOORS:
+        recipe = inputs.recipe.model_copy(update={"key_bits": floor})
+        last = floor == KEY_FLOORS[-1]
+        log(f"keys down to {floor} bits" + ("" if last else " (taken if its point keeps the pass keys as it is)"))
+        found = _search(replace(inputs, recipe=recipe), fmt, net, bases, scoring, target,
+                        partial(_rule, recipe, scales), log, journal, first_only=not last)
+        if not found.lost:
+            break
+        lower.append({"key_bits": floor, **found.passkey["rejected"][0]})
+    if lower and found.passkey is not None:
+        found = found._replace(passkey={**found.passkey, "lower_key_bits": lower})
+    return found
+
+
+def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], scoring: _Scoring,
+            target: Target | None, rule: Rule, log: Log, journal: Journal, first_only: bool = False) -> _Found:
+    """Search for the target (or score the one point of a compression target), then keep the chosen point only if
+    it retrieves the original's pass keys (plan/longrange.py); with `first_only`, the search's own point alone is
+    checked, and a record with it rejected returned if it loses a key. What `journal` holds is not measured
+    again."""
     recipe = inputs.recipe
-    log(f"scoring the original on {windows.num_tokens} tokens of {recipe.eval_text}")
-    evaluator = Evaluator(net, inputs.ref.adapter, windows, start=recipe.score_from)
+    evaluator, baseline = scoring
     base = evaluator.baseline
-    journal.check_baseline(base)
-    baseline = Baseline(eval_text=recipe.eval_text, eval_tokens=base.tokens, top1=base.top1, ppl=base.ppl,
-                        context=recipe.search_context, score_from=recipe.score_from)
     if target is None:
         best, curve = for_compression(fmt, bases, evaluator, recipe.ratio, rule)
-        return _Found(best, tuple(curve), baseline, None, net)
+        return _Found(best, tuple(curve), baseline, None, net, rule)
     log(f"searching for {target.describe()}")
     started = [time.monotonic()]
 
@@ -165,7 +214,7 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
     best, curve = fmt.search(bases, evaluator, target, rule, steps=recipe.search_steps, progress=scored,
                              remember=remember)
     if not recipe.passkey:
-        return _Found(best, tuple(curve), baseline, None, net)
+        return _Found(best, tuple(curve), baseline, None, net, rule)
     # Checked on the search's model, in the dtype sources.models.run_dtype chose, which verify's `auto` chooses
     # too: a key at the edge can flip between dtypes (measured: a bfloat16 search's check kept 10/10, float32 lost
     # one), so the check and verify run in one dtype; no second model is read.
@@ -180,9 +229,17 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
         scored(point)
         return point
 
-    best, record, curve = _keep_passkeys(net, inputs.ref, recipe.passkey, curve, target, patches_for, log, between,
-                                         journal.answers)
-    return _Found(best, tuple(curve), baseline, record, net)
+    def answers(key: str, run):  # the same knob at another key floor is another cache
+        return journal.answers(key if key == "original" else f"key_bits {recipe.key_bits} {key}", run)
+
+    try:
+        kept, record, checked = _keep_passkeys(net, inputs.ref, recipe.passkey, [best] if first_only else curve,
+                                               target, patches_for, log, None if first_only else between, answers)
+    except PasskeysLost as lost:
+        if not first_only:
+            raise
+        return _Found(best, tuple(curve), baseline, lost.record, net, rule, lost=True)  # the caller searches again
+    return _Found(kept, tuple(curve if first_only else checked), baseline, record, net, rule)
 
 
 def _reload_for_bake(net: nn.Module, ref: ModelRef, device: str) -> tuple[str, str] | None:

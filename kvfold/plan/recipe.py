@@ -84,8 +84,8 @@ class Recipe(BaseModel):
     # None: the format's for the model (plan/formats/bits.py: 16 and 64 where its positions reach 4,096).
     sinks: int | None = Field(default=None, ge=0)
     window: int | None = Field(default=None, ge=0)
-    # Bits format: keys are never dropped nor stored below this many bits. None: plan/bits.KEY_MIN_BITS (4;
-    # plan/formats/bits.py says what 2 does at long context).
+    # Bits format: keys are never dropped nor stored below this many bits. None: plan/bits.KEY_MIN_BITS (4) in the
+    # plain bits cache; in the windowed one 2 where that keeps the pass keys, else 4 (plan/formats/bits.py).
     key_bits: int | None = Field(default=None, ge=2, le=16)
     # RoPE models: the query/key statistics are averaged over positions [0, context) before the factors are
     # fitted (factors/positions.py), so keys late in a long sequence keep their dims; None: the model's

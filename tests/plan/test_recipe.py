@@ -107,12 +107,14 @@ def test_a_long_context_model_gets_the_windowed_bits_format_judged_at_long_conte
 
 
 def test_keys_take_four_bits_or_more_unless_told():
-    """--key-bits: the narrowest key band is 4 bits by default, windowed or not (plan/formats/bits.py says why); a
-    given value stays and reaches the search's rule; the rank format refuses it."""
+    """--key-bits: the narrowest key band is 4 bits by default in the plain bits cache, and left to the search
+    (None) in the windowed one (plan/planner.KEY_FLOORS); a given value stays and reaches the search's rule; the rank
+    format refuses it."""
     from kvfold.plan.formats import get_format
 
     bits = get_format("bits")
-    assert bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 8192).key_bits == 4
+    assert bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 8192).key_bits is None  # windowed by default
+    assert bits.resolve(Recipe(accuracy=0.99, format="bits", sinks=0, window=0), 64, 8192).key_bits == 4
     assert bits.resolve(Recipe(accuracy=0.99, format="bits"), 64, 2048).key_bits == 4
     given = bits.resolve(Recipe(accuracy=0.99, format="bits", key_bits=3), 64, 8192)
     assert given.key_bits == 3 and bits.rule(given, 1e-3, 1e-2, {}).key_min == 3

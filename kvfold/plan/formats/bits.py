@@ -40,13 +40,14 @@ ALIGN_SMALL = 8
 # 2026-12-03: closest mean margin +0.183 nats, spread 0.005), where the plain default needed 0.427 to keep them.
 SINKS = 16
 WINDOW = 64
-# Keys' narrowest width (Recipe.key_bits) stays plan/bits.KEY_MIN_BITS, 4, by default, windowed or not. `--key-bits 2`
-# lets keys go to 2 bits as values do, and on the long-context metrics that removes the history's cliff between 3.5 and
-# 3 bits (docs/long-context.md, 2026-12-05): Qwen2.5-Coder-1.5B, 16 + 64 whole, one run (docs/frontier-keys2-qwen.json),
-# 2.75 bits a number 0.198 of fp16's bytes at 4K, KL 0.0031 (2.5 bits: 0.182, KL 0.0050, the joint target met on each
-# text), where keys ≥ 4 bits at 3 bits gave 0.209, KL 0.066; SmolLM2 (docs/frontier-k2-smollm2.json) 2.75 bits 0.206,
-# KL 0.0067. But SmolLM2's export with it lost 2 of 10 pass keys at 0.258 of fp16's bytes (margin −0.82 nats;
-# docs/export-smollm2-window-keys2.json), the pass keys binding where the default's 4-bit keys keep them at 0.289.
+# Keys' narrowest width (Recipe.key_bits) is plan/bits.KEY_MIN_BITS, 4, in the plain bits cache (set on Qwen at
+# 512-token windows). In the windowed cache export chooses it by measurement unless --key-bits says (plan/planner.
+# KEY_FLOORS): keys down to 2 bits where that point keeps the pass keys, else 4. At long context 2 removes the
+# history's cliff between 3.5 and 3 bits (docs/long-context.md, 2026-12-05): Qwen2.5-Coder-1.5B, 16 + 64 whole
+# (docs/frontier-keys2-qwen.json), 2.5 bits a number 0.182 of fp16's bytes at 4K, KL 0.0050, the joint target met on
+# each text and the pass keys kept, where keys ≥ 4 bits at 3 bits gave 0.209, KL 0.066. But SmolLM2's export with it
+# lost 2 of 10 pass keys at 0.258 of fp16's bytes (margin −0.82 nats; docs/export-smollm2-window-keys2.json), the
+# pass keys binding where 4-bit keys keep them at 0.289.
 
 
 def band_align_for(head_dim: int) -> int:
@@ -82,10 +83,10 @@ class BitsFormat(CacheFormat):
             update |= {"sinks": SINKS if long else 0, "window": WINDOW if long else 0}
         else:
             update |= {"sinks": recipe.sinks or 0, "window": recipe.window or 0}
-        if recipe.key_bits is None:
+        if recipe.key_bits is None and not (update["sinks"] or update["window"]):
             from kvfold.plan.bit_plan import KEY_MIN_BITS
 
-            update["key_bits"] = KEY_MIN_BITS
+            update["key_bits"] = KEY_MIN_BITS  # windowed: None, chosen by the search (plan/planner.KEY_FLOORS)
         return scoring_windows(recipe.model_copy(update=update), positions)
 
     def rounding(self, recipe):
