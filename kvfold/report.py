@@ -8,6 +8,7 @@ from rich.table import Table
 
 from kvfold.calib.artifact import CalibHeader
 from kvfold.calib.inspect import MASSES, LayerSpectrum
+from kvfold.plan.bit_plan import KEY_MIN_BITS
 
 __all__ = ["calib_summary", "export_summary", "spectrum_table", "verify_table"]
 
@@ -36,7 +37,8 @@ def _windowed(m) -> str:
     if not (m.sinks or m.window):
         return ""
     at_32k = m.kv_fraction(32768)
-    return f" at 4,096 tokens with the first {m.sinks} and last {m.window} kept whole ({at_32k:.1%} at 32K)"
+    return (f" at 4,096 tokens with the first {m.sinks} and last {m.window} kept whole ({at_32k:.1%} at 32K), keys at "
+            f"{m.key_bits or KEY_MIN_BITS} bits or more")
 
 
 def spectrum_table(header: CalibHeader, rows: list[LayerSpectrum]) -> Table:

@@ -296,7 +296,8 @@ def test_a_windowed_bits_export_records_its_whole_tokens_and_verifies(tiny_dirs,
                  "--accuracy", 0.9, "--format", "bits", "--passkey", 0, "--sinks", 2, "--window", 8,
                  "--search-context", 128, "--score-from", 48, "-o", out)
     assert result.exit_code == 0, result.output
-    assert "at 4,096 tokens with the first 2 and last 8 kept whole" in " ".join(result.stdout.split())
+    said = " ".join(result.stdout.split())
+    assert "at 4,096 tokens with the first 2 and last 8 kept whole" in said and "keys at 2 bits or more" in said
     m = Manifest.load(out)
     block = m.config_block()
     assert (m.sinks, m.window, m.search_context, m.score_from) == (2, 8, 128, 48) and block.windowed
