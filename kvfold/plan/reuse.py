@@ -44,7 +44,7 @@ def check_inputs(ref: ModelRef, calib: Path, recipe: Recipe, previous: PreviousE
     if recipe.band_align is not None:
         check_align(stats.header.model.head_dim, recipe.band_align)
     if previous is not None:
-        if recipe.format == "bits" and recipe.key_bits is None:  # the key floor the previous search chose
+        if recipe.key_bits is None and previous.key_bits is not None:  # the key floor its search chose (bits)
             recipe = recipe.model_copy(update={"key_bits": previous.key_bits})
         _check_reusable(previous, sha, stats, recipe)
     docs = None if previous else resolve_text(recipe.eval_text)
