@@ -51,7 +51,7 @@ class _Found(NamedTuple):
     baseline: Baseline
     passkey: dict | None
     model: nn.Module  # the model the search and the pass-key check ran
-    rule: Rule  # the family searched (a key floor of its own where _key_floor chose one)
+    rule: Rule  # the family searched (at the key floor _search_floors chose)
     lost: bool = False  # `best` lost a pass key (a first_only check: the caller searches again)
 
 
@@ -81,12 +81,8 @@ def plan_export(inputs: ExportInputs, device: str = "cpu", log: Log = lambda lin
     if previous is not None:
         best, passkey = pick(previous.curve, recipe, target, previous.passkey)
         found = _Found(best, previous.curve, previous.baseline, passkey, net, rule)
-    elif recipe.key_bits is None:  # a windowed bits export's key floor, chosen by measurement (_key_floor)
-        found = _key_floor(inputs, fmt, net, bases, windows, target, scales, log, journal or Journal(None))
     else:
-        journal = journal or Journal(None)
-        found = _search(inputs, fmt, net, bases, _Scoring.of(inputs, net, windows, journal, log), target, rule, log,
-                        journal)
+        found = _search_floors(inputs, fmt, net, bases, windows, target, scales, log, journal or Journal(None))
     chosen = found.rule(found.best.r_k, found.best.r_v)
     ranks, bits, factors = fmt.export_parts(bases, chosen)
     reload = _reload_for_bake(found.model, ref, device)
@@ -160,25 +156,19 @@ class _Scoring(NamedTuple):
                                        ppl=base.ppl, context=recipe.search_context, score_from=recipe.score_from))
 
 
-# A windowed bits export without --key-bits tries keys down to 2 bits first: at long context that met the accuracy
-# target with a fifth fewer bytes than keys ≥ 4 bits on Qwen2.5-Coder-1.5B and kept its pass keys (+3.97 nats), but
-# on SmolLM2-135M it lost 2 of 10 keys at its accuracy point and kept them only at 0.295 of fp16's bytes, above the
-# 0.289 keys ≥ 4 bits keep them at (docs/long-context.md). So its accuracy point is taken only if it keeps the pass
-# keys as it is; otherwise the search runs again with keys ≥ 4 bits, and its pass-key check as always. The first
-# search's figures, and the one pass-key check, are the price on a model like SmolLM2.
-KEY_FLOORS = (2, 4)
-
-
-def _key_floor(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis], windows: Sequences,
-               target: Target | None, scales: LayerScales | HeadScales | None, log: Log, journal: Journal) -> _Found:
-    """The search at each key floor of KEY_FLOORS in turn (the comment above), the first whose accuracy point keeps
-    the pass keys, or the last's with its pass-key check; the manifest's pass-key record names the floors tried."""
+def _search_floors(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[LayerBasis],
+                   windows: Sequences, target: Target | None, scales: LayerScales | HeadScales | None, log: Log,
+                   journal: Journal) -> _Found:
+    """The search at each key floor the format gives (CacheFormat.key_floors; one, the recipe's own, but for a
+    windowed bits export without --key-bits) in turn: the first whose own point keeps the pass keys as it is, or the
+    last's with the usual pass-key check. The manifest's pass-key record names the floors that lost."""
     scoring = _Scoring.of(inputs, net, windows, journal, log)
-    lower: list[dict] = []
-    for floor in KEY_FLOORS:
+    floors, lower = fmt.key_floors(inputs.recipe), []
+    for floor in floors:
         recipe = inputs.recipe.model_copy(update={"key_bits": floor})
-        last = floor == KEY_FLOORS[-1]
-        log(f"keys down to {floor} bits" + ("" if last else " (taken if its point keeps the pass keys as it is)"))
+        last = floor == floors[-1]
+        if len(floors) > 1:
+            log(f"keys down to {floor} bits" + ("" if last else " (taken if its point keeps the pass keys as it is)"))
         found = _search(replace(inputs, recipe=recipe), fmt, net, bases, scoring, target,
                         partial(_rule, recipe, scales), log, journal, first_only=not last)
         if not found.lost:
@@ -238,7 +228,7 @@ def _search(inputs: ExportInputs, fmt: CacheFormat, net: nn.Module, bases: list[
     except PasskeysLost as lost:
         if not first_only:
             raise
-        return _Found(best, tuple(curve), baseline, lost.record, net, rule, lost=True)  # the caller searches again
+        return _Found(best, tuple(curve), baseline, lost.record, net, rule, lost=True)  # searched again
     return _Found(kept, tuple(curve if first_only else checked), baseline, record, net, rule)
 
 

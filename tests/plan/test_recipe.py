@@ -108,8 +108,8 @@ def test_a_long_context_model_gets_the_windowed_bits_format_judged_at_long_conte
 
 def test_keys_take_four_bits_or_more_unless_told():
     """--key-bits: the narrowest key band is 4 bits by default in the plain bits cache, and left to the search
-    (None) in the windowed one (plan/planner.KEY_FLOORS); a given value stays and reaches the search's rule; the rank
-    format refuses it."""
+    (None) in the windowed one (plan/formats/bits.KEY_FLOORS); a given value stays and reaches the search's rule; the
+    rank format refuses it."""
     from kvfold.plan.formats import get_format
 
     bits = get_format("bits")

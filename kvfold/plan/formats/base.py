@@ -94,6 +94,12 @@ class CacheFormat:
         """What the manifest's `format` records: None where the layout already names this format."""
         return None if self.name == self.layout else self.name
 
+    def key_floors(self, recipe: Recipe) -> tuple[int | None, ...]:
+        """The keys' narrowest widths (Recipe.key_bits) to search in turn, each taken if its point keeps the pass
+        keys as it is (plan/planner._search_floors); the last one's check is the usual one. By default the
+        recipe's own, one search."""
+        return (recipe.key_bits,)
+
     # -- planning (subclasses) --
 
     def rule(self, recipe: Recipe, r: float, r_v: float, multipliers: dict) -> RankRule | BitRule:

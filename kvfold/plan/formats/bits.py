@@ -41,13 +41,16 @@ ALIGN_SMALL = 8
 SINKS = 16
 WINDOW = 64
 # Keys' narrowest width (Recipe.key_bits) is plan/bits.KEY_MIN_BITS, 4, in the plain bits cache (set on Qwen at
-# 512-token windows). In the windowed cache export chooses it by measurement unless --key-bits says (plan/planner.
-# KEY_FLOORS): keys down to 2 bits where that point keeps the pass keys, else 4. At long context 2 removes the
-# history's cliff between 3.5 and 3 bits (docs/long-context.md, 2026-12-05): Qwen2.5-Coder-1.5B, 16 + 64 whole
-# (docs/frontier-keys2-qwen.json), 2.5 bits a number 0.182 of fp16's bytes at 4K, KL 0.0050, the joint target met on
-# each text and the pass keys kept, where keys ≥ 4 bits at 3 bits gave 0.209, KL 0.066. But SmolLM2's export with it
-# lost 2 of 10 pass keys at 0.258 of fp16's bytes (margin −0.82 nats; docs/export-smollm2-window-keys2.json), the
-# pass keys binding where 4-bit keys keep them at 0.289.
+# 512-token windows). In the windowed cache, unless --key-bits says, export searches with keys down to 2 bits first
+# and takes that search's point only if it keeps the pass keys as it is; otherwise it searches again with keys ≥ 4
+# bits and checks the pass keys as always (plan/planner._search_floors). Measured at long context (docs/long-context.md,
+# 2026-12-05): keys to 2 bits remove the history's cliff between 3.5 and 3 bits — Qwen2.5-Coder-1.5B, 16 + 64 whole,
+# 2.5 bits a number 0.182 of fp16's bytes at 4K, KL 0.0050, the joint target met on each text and the pass keys kept
+# (+3.97 nats), where keys ≥ 4 bits at 3 bits gave 0.209, KL 0.066; its default export so chose 2 (0.209 against 0.225
+# with keys ≥ 4). But on SmolLM2 keys at 2 bits lost 2 of 10 pass keys at their accuracy point (0.230, margin −0.155
+# nats), and its export chose keys ≥ 4 bits (0.289, the plan it had before). The first search is the price there
+# (666 s of 2,392 on 2 cores).
+KEY_FLOORS = (2, 4)
 
 
 def band_align_for(head_dim: int) -> int:
@@ -86,8 +89,11 @@ class BitsFormat(CacheFormat):
         if recipe.key_bits is None and not (update["sinks"] or update["window"]):
             from kvfold.plan.bit_plan import KEY_MIN_BITS
 
-            update["key_bits"] = KEY_MIN_BITS  # windowed: None, chosen by the search (plan/planner.KEY_FLOORS)
+            update["key_bits"] = KEY_MIN_BITS  # windowed: None, chosen by the search (KEY_FLOORS)
         return scoring_windows(recipe.model_copy(update=update), positions)
+
+    def key_floors(self, recipe):
+        return KEY_FLOORS if recipe.key_bits is None else (recipe.key_bits,)
 
     def rounding(self, recipe):
         # the ranks follow from the bits (multiple and min_rank do not apply), so they are multiples of the bands'
