@@ -4,7 +4,8 @@ dtypes and strides, its Triton launches recorded (aot.capture), never run:
 
 - kvfold's bits decode over the GPU page layout (triton_pages.paged_pages_attention, kvfold_runtime.pages): 4 bits
   everywhere, and an export-like 8/5/4 | 6/4-bit mix on 16-dim bands and on 8-dim ones (its widths are compile-time
-  constants: each mix is its own build); and a windowed layer's codes part (triton_pages.history_parts);
+  constants: each mix is its own build); a windowed layer's codes part (triton_pages.history_parts), and a windowed
+  layer's whole decode with keys to 2 bits (the codes part, then the ring merge: triton_ring);
 - kvfold's row-layout bits decode (triton_bits: bits_attention, paged_bits_attention) and bits prefill, every dim
   kept in 4-bit bands (the band widths are table data, not constexprs: aot_report checks that an 8/5/4 | 6/4-bit
   layer compiles to the same code);
@@ -52,13 +53,18 @@ def _bits_dims(d: int, mixed: bool = False):
     return bits_layer("bits 4", [(4, d)], [(4, d)], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
 
 
-def _pages_dims(d: int, mixed: bool, chunk: int = 16, narrow: bool = False):
+def _pages_dims(d: int, mixed: bool, chunk: int = 16, narrow: bool = False, keys2: bool = False):
     """The page layout's layers: bands on 16-dim chunks (at head_dim 64 the mix's narrowest bands are one chunk), or
     the mix on 8-dim chunks (its 8-bit band 8 dims wide: kvfold_runtime.pages.chunk_of is then 8); narrow: the
-    widths of a windowed export's history (Qwen2.5-Coder-1.5B's default: keys 6/4, values 3/2 bits and a last
-    quarter of dims no band holds)."""
+    widths of a windowed export's history with keys at 4 bits or more (keys 6/4, values 3/2 bits and a last quarter
+    of dims no band holds); keys2: Qwen2.5-Coder-1.5B's default export, keys to 2 bits (its median layer: keys
+    8/3/2, values 4/3/2 bits on an eighth, a quarter and the rest of the dims)."""
     from kvfold_bench.kernels import bits_layer
 
+    if keys2:
+        e = max(16, d // 8)
+        runs = [(8, e), (3, 2 * e), (2, d - 3 * e)], [(4, e), (3, 2 * e), (2, d - 3 * e)]
+        return bits_layer("bits 8/3/2 | 4/3/2", *runs, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=d).dims
     if narrow:
         e = max(16, d // 8)
         return bits_layer("bits 6/4 | 3/2/0", [(6, e), (4, d - e)], [(3, e), (2, d - e - d // 4), (0, d // 4)],
@@ -100,6 +106,32 @@ def pages_history(d: int) -> list[Launch]:
         kv = torch.zeros(8, 1, BLOCK, layout.row_bytes, dtype=torch.uint8)
         triton_pages.history_parts(q, kv, *_paged_inputs(b, CONTEXT), dims, scaling=d ** -0.5, sinks=16, window=64,
                                    max_query_len=1, max_seq_len=CONTEXT, num_splits=_splits(b, CONTEXT))
+    return launches
+
+
+def windowed_decode(d: int) -> list[Launch]:
+    """A windowed bits layer's whole decode over the page layout as kernels.paged_window runs it on a GPU, keys to 2
+    bits (Qwen2.5-Coder-1.5B's default export): the page kernel's codes part, then the sinks and window from the
+    rings and the merge in one more launch (triton_ring), 16 sinks and a 64-token window."""
+    from kvfold_runtime.kernels import triton_pages, triton_ring
+    from kvfold_runtime.pages import page_layout
+
+    dims, b = _pages_dims(d, False, keys2=True), DECODE_BATCH
+    layout = page_layout(dims, BLOCK)
+    splits = _splits(b, CONTEXT)
+    with capture(triton_pages._pages_kernel, triton_ring._ring_merge_kernel) as launches:
+        q = torch.zeros(b, dims.q_width, dtype=DTYPE)
+        kv = torch.zeros(8, 1, BLOCK, layout.row_bytes, dtype=torch.uint8)
+        args = _paged_inputs(b, CONTEXT)
+        triton_pages.history_parts(q, kv, *args, dims, scaling=d ** -0.5, sinks=16, window=64, max_query_len=1,
+                                   max_seq_len=CONTEXT, num_splits=splits)
+        width = layout.tile_chunks * layout.chunk
+        o = torch.zeros(b, HEADS, splits + 1, width)
+        lse = torch.zeros(b, HEADS, splits + 1)
+        own_k, own_v = torch.zeros(b, sum(dims.d_k), dtype=DTYPE), torch.zeros(b, sum(dims.d_v), dtype=DTYPE)
+        ring = torch.zeros(b, 80, sum(dims.d_k) + sum(dims.d_v), dtype=DTYPE)
+        triton_ring.ring_merge(q, own_k, own_v, ring, torch.arange(b, dtype=torch.int32), args[1], o, lse, dims,
+                               scaling=d ** -0.5, sinks=16, window=64, out=torch.zeros(b, dims.out_width, dtype=DTYPE))
     return launches
 
 
@@ -244,6 +276,8 @@ CASES = [
          "BLOCK_N", DECODE_BATCH),
     Case("kvfold windowed bits decode's codes part, GPU page layout, 8/5/4 | 6/4 bits (paged)", pages_history,
          "BLOCK_N", DECODE_BATCH),
+    Case("kvfold windowed bits decode, GPU page layout, 8/3/2 | 4/3/2 bits (paged): codes part, ring merge",
+         windowed_decode, "BLOCK_N", DECODE_BATCH),
     Case("kvfold bits decode (contiguous)", lambda d: bits_decode(d, paged=False), "BLOCK_N", DECODE_BATCH,
          True),
     Case("kvfold bits decode (paged)", lambda d: bits_decode(d, paged=True), "BLOCK_N", DECODE_BATCH, True),

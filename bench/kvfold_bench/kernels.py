@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import kvfold
 from kvfold.errors import KVFoldError
+from kvfold_bench.kernel_steps import PAGE, paged_step, windowed_step
 from kvfold_runtime import MANIFEST, LayerDims, head_dim, model_dims
 from kvfold_runtime.pages import aligned
 
@@ -36,7 +37,6 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 DECODE = [(1, 4096), (1, 32768), (16, 4096), (16, 32768), (64, 4096), (64, 32768)]
 PREFILL = [4096, 16384]
 SMOKE_DECODE, SMOKE_PREFILL = [(2, 96)], [48]
-PAGE = 16  # vLLM's KV block size on CUDA: a page of the GPU layout
 
 
 @dataclass(frozen=True)
@@ -143,46 +143,6 @@ def _pages(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
             torch.arange(b + 1, dtype=torch.int32, device=device))
 
 
-def _paged_step(layer: LayerWidths, q, kv, table, lens, starts, s: int, scaling: float, gen):
-    """A plain bits layer's decode step as vLLM's backend runs it on a GPU: the new key and value encoded into their
-    page slots, then the attention: what a decode pays per layer, host work and every launch included."""
-    from kvfold_runtime.kernels import write_paged
-    from kvfold_runtime.kernels.dispatch import paged
-    from kvfold_runtime.kernels.paged import BandPages
-
-    b, d = q.shape[0], layer.dims
-    key = torch.randn(b, sum(d.d_k), generator=gen, device=q.device).to(q.dtype)
-    value = torch.randn(b, sum(d.d_v), generator=gen, device=q.device).to(q.dtype)
-    last = lens.long() - 1  # each request's newest position: its slot in its last block
-    slots = table.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE
-    out, codec = torch.empty(b, d.out_width, dtype=q.dtype, device=q.device), BandPages(d, PAGE)
-
-    def step():
-        write_paged(kv, slots, key, value, codec=codec)
-        paged(q, kv, table, lens, starts, list(d.d_k), list(d.d_v), d.group, scaling=scaling, out=out, codec=codec,
-              max_query_len=1, max_seq_len=s)
-    return step
-
-
-def _windowed_decode(layer: LayerWidths, q, kv, table, lens, starts, scaling: float, gen, sinks: int = 16,
-                     window: int = 64):
-    """A windowed bits layer's decode step as vLLM's backend runs it on a GPU (kernels.paged_window: the page
-    kernel over the codes past the sinks and before the window, the sinks and window from each request's ring,
-    merged), the windowed export's defaults of 16 sinks and a 64-token window."""
-    from kvfold_runtime.kernels.paged import BandPages
-    from kvfold_runtime.kernels.paged_window import windowed_paged_attention
-
-    b, d = q.shape[0], layer.dims
-    widths = sum(d.d_k) + sum(d.d_v)
-    ring = torch.randn(b, sinks + window, widths, generator=gen, device=q.device).to(q.dtype)
-    key = torch.randn(b, sum(d.d_k), generator=gen, device=q.device).to(q.dtype)
-    value = torch.randn(b, sum(d.d_v), generator=gen, device=q.device).to(q.dtype)
-    out = torch.empty(b, d.out_width, dtype=q.dtype, device=q.device)
-    codec, blocks = BandPages(d, PAGE), torch.arange(b, device=q.device)
-    return lambda: windowed_paged_attention(q, key, value, kv, ring, blocks, table, lens, starts, codec,
-                                            scaling=scaling, sinks=sinks, window=window, out=out)
-
-
 def _bits_rows(layer: LayerWidths, b: int, s: int, device, gen) -> tuple:
     """Random keys/values of the layer's widths encoded into its band rows [B, S, bytes] (uint8). At most 4,096
     distinct tokens are encoded and then tiled (the encoder unpacks bit by bit: 64 × 32K tokens would need tens
@@ -280,9 +240,9 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
                                                          scaling=scaling, max_query_len=1, max_seq_len=s),
                            t_sdpa, timed, reps)
             row["kvfold_triton_pages_tb_per_s"] = round(b * s * sum(layer.dims.row_bytes()) / t / 1e12, 3)
-            _time_into(row, "kvfold_triton_pages_window", _windowed_decode(layer, q[:, 0], kv, table, lens, starts,
-                                                                          scaling, gen), t_sdpa, timed, reps)
-            _time_into(row, "kvfold_triton_pages_step", _paged_step(layer, q[:, 0], kv, table, lens, starts, s,
+            _time_into(row, "kvfold_triton_pages_window", windowed_step(layer, q[:, 0], kv, table, lens, starts,
+                                                                          s, scaling, gen), t_sdpa, timed, reps)
+            _time_into(row, "kvfold_triton_pages_step", paged_step(layer, q[:, 0], kv, table, lens, starts, s,
                                                                     scaling, gen), t_sdpa, timed, reps)
         row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
         return row
@@ -362,7 +322,8 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
                   "bits layers: p against 16-bit numbers; kvfold_triton_bits reads the band codes as rows, "
                   "kvfold_triton_pages (decode) in the GPU page layout vLLM keeps an aligned bits layer in (pages of "
                   f"{PAGE} tokens); kvfold_triton_pages_window: the same cache as a windowed layer's (16 sinks and a "
-                  "64-token window whole in a ring, the rest from the pages), the step as vLLM's backend runs it; "
+                  "64-token window whole in a ring, the rest from the pages), its whole step as vLLM's backend runs "
+                  "it (the new token's codes and ring row written, the attention); "
                   "kvfold_triton_pages_step: a plain layer's whole step as the backend runs it (the new token encoded "
                   "into its page slot, then the attention: host work and every launch)"],
     }

@@ -5,6 +5,7 @@ request's tokens arrive, each query reads token j whole where j < sinks or i −
 elsewhere — checked against that definition row by row, with contexts split in parts and pages shuffled in 0xFF-filled
 blocks. On CUDA when there is one, else in Triton's interpreter."""
 
+import contextlib
 import os
 
 import pytest
@@ -29,13 +30,18 @@ def test_in_the_interpreter():
 
 
 @kernels
-@pytest.mark.parametrize(("layer", "sinks", "window", "splits"), [
-    ("mixed", 4, 32, 3),  # sinks inside the first key block, a window of two pages, contexts in three parts
-    ("eighths", 16, 64, None),  # 8-dim chunks (128-token key blocks); the default export's sinks and window
-    ("one head", 5, 0, 2),  # sinks only: a query's own row is a code
-    ("mixed", 0, 20, None)])  # a window only
-def test_page_decodes_read_codes_and_ring_as_the_definition(layer, sinks, window, splits, monkeypatch):
+@pytest.mark.parametrize(("layer", "sinks", "window", "splits", "told"), [
+    ("mixed", 4, 32, 3, False),  # sinks inside the first key block, a window of two pages, contexts in three parts
+    ("eighths", 16, 64, None, True),  # 8-dim chunks (128-token key blocks); the default export's sinks and window
+    ("eighths", 16, 64, 2, False),
+    ("one head", 5, 0, 2, True),  # sinks only: a query's own row is a code
+    ("mixed", 0, 20, None, False),  # a window only
+    ("mixed", 3, 20, 3, True)])
+def test_page_decodes_read_codes_and_ring_as_the_definition(layer, sinks, window, splits, told, monkeypatch):
+    """`told`: the step as vLLM's backend describes it on the host (max_query_len, the decodes-first StepSplit),
+    where a step of decodes reads nothing back from the device."""
     from kvfold_runtime.kernels import triton_pages
+    from kvfold_runtime.kernels.dispatch import StepSplit
     from kvfold_runtime.kernels.paged_window import windowed_paged_attention, write_ring
 
     monkeypatch.setenv("KVFOLD_KERNELS", "triton")
@@ -76,12 +82,36 @@ def test_page_decodes_read_codes_and_ring_as_the_definition(layer, sinks, window
         seq_lens = torch.tensor(step.lens, dtype=torch.int32)
         step_table = table[reqs].to(DEVICE)
         write_paged(kv, step.slots(table, PAGE).to(DEVICE), key, value, codec=codec)
-        windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs], step_table, seq_lens, starts, codec,
-                                 scaling=SCALE, sinks=sinks, window=window, out=out)
-        write_ring(ring, ring_blocks[reqs], seq_lens, starts, key, value, sinks=sinks, window=window)
+        news = (starts[1:] - starts[:-1]).tolist()
+        host = {}
+        if told:  # vLLM's host copies: the longest query, and decodes first (its builder reorders the batch)
+            decodes = news.index(max(news)) if max(news) > 1 else len(news)
+            host = dict(max_query_len=max(news), max_seq_len=max(step.lens))
+            if max(news) > 1:
+                host["split"] = StepSplit(decodes, decodes, tuple((i, int(starts[i]), news[i], step.lens[i])
+                                                                  for i in range(decodes, len(news))))
+        lens_dev, starts_dev = seq_lens.to(DEVICE), starts.to(DEVICE)
+        with _no_read_back(monkeypatch, told and max(news) == 1):
+            windowed_paged_attention(query, key, value, kv, ring, ring_blocks[reqs].to(DEVICE), step_table, lens_dev,
+                                     starts_dev, codec, scaling=SCALE, sinks=sinks, window=window, out=out, **host)
+            write_ring(ring, ring_blocks[reqs].to(DEVICE), lens_dev, starts_dev, key, value, sinks=sinks,
+                       window=window, max_query_len=host.get("max_query_len"))
         for i, r in enumerate(reqs):
             for row, p in enumerate(step.pos[i].tolist()):
                 want = oracle(qs[r][p], *sides[r], *coded[r], p, sinks, window, list(dims.d_k), list(dims.d_v),
                               dims.group, SCALE)
                 torch.testing.assert_close(out[starts[i] + row].cpu(), want, rtol=1e-4, atol=1e-4)
     assert calls == [1, 2, 3], "the decodes did not take the page kernel"  # a step's decodes, in one call
+
+
+@contextlib.contextmanager
+def _no_read_back(monkeypatch, forbid: bool):
+    """Within the block (where `forbid`), a tensor read back to the host fails the test: .tolist(), .item(),
+    .cpu() and .nonzero() (each a device sync on a GPU)."""
+    if not forbid:
+        yield
+        return
+    with monkeypatch.context() as m:
+        for name in ("tolist", "item", "cpu", "nonzero"):
+            m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"a decode step called .{_n}()"))
+        yield

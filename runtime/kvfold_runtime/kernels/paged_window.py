@@ -16,8 +16,10 @@ the window cannot overwrite rows its first queries still read.
 
 The step's one-token requests run together. In the GPU page layout (BandPages, where Triton runs) they take the
 page kernel for their codes part alone — positions [sinks, i − window] (triton_pages.history_parts) — and their
-whole rows' part is a small attention over the ring's readable rows and the query's own, merged with the codes'
-partial results by log-sum-exp (merge_parts): the codes are read once, in place, never decoded into a copy.
+whole rows' part — the ring's readable rows and the query's own — is attended and merged with the codes' partial
+results by log-sum-exp in one more launch (triton_ring): the codes are read once, in place, never decoded into a
+copy. Where vLLM says on the host that the step's first requests decode (max_query_len 1, or a StepSplit), nothing
+of the step is read back from the device: a decode step is two launches after the codes' write, and the ring's.
 Elsewhere (plain torch, any device) kernels.paged's batched decode reads their blocks and puts the ring's rows in
 place of the decoded ones. Each prefill or chunk runs on its own: its rows decoded (its own pages turned back into
 rows first in the page layout), its whole rows gathered, and one causal attention over the codes merged with the
@@ -31,13 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from kvfold_runtime.format import LayerDims
-from kvfold_runtime.kernels.dispatch import paged_kernels_for
+from kvfold_runtime.kernels.dispatch import StepSplit, paged_kernels_for
 from kvfold_runtime.kernels.paged import BandPages, BandRows, StepPlan, _gather, plan_step
 from kvfold_runtime.kernels.torch_decode import packed_decode
 from kvfold_runtime.kernels.window_prefill import LogitAttention, whole_positions, windowed_prefill
 
-__all__ = ["merge_parts", "ring_slots", "windowed_paged_attention", "write_ring"]
+__all__ = ["ring_slots", "windowed_paged_attention", "write_ring"]
 
 def ring_slots(positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """The ring slot of each position (see the module docstring)."""
@@ -57,10 +58,21 @@ def _positions(seq_lens: list[int], starts: list[int], device) -> tuple[torch.Te
 
 
 def write_ring(ring: torch.Tensor, ring_blocks: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor, *, sinks: int, window: int) -> None:
+               k: torch.Tensor, v: torch.Tensor, *, sinks: int, window: int, max_query_len: int | None = None) -> None:
     """Store the step's whole rows k [T, Σd_k], v [T, Σd_v] (requests as vLLM describes them: query_start_loc
     [R + 1], seq_lens [R]) in their requests' rings `ring` [blocks, sinks + window, ≥ Σd_k + Σd_v] (any strides):
-    the sinks, and each request's last `window` positions."""
+    the sinks, and each request's last `window` positions. `max_query_len` 1 (a step of decodes, as vLLM knows
+    without a host sync): each request's one row goes to its slot without reading the step's lengths back."""
+    if max_query_len == 1 and sinks + window > 0:  # one row a request, at its last position
+        n = seq_lens.shape[0]
+        position = seq_lens.to(ring.device).long() - 1
+        block = ring_blocks.to(ring.device).long()
+        slot = ring_slots(position, sinks, window).clamp(max=sinks + window - 1)
+        rows = torch.cat([k[:n], v[:n]], -1).to(ring.device, ring.dtype)
+        if window == 0:  # only a sink's row is kept: the others write back what their slot holds (no host sync)
+            rows = torch.where((position < sinks)[:, None], rows, ring[block, slot, :rows.shape[-1]])
+        ring[block, slot, :rows.shape[-1]] = rows
+        return
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     n = starts[-1]
     if n == 0:
@@ -77,43 +89,59 @@ def windowed_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              ring: torch.Tensor, ring_blocks: torch.Tensor, block_table: torch.Tensor,
                              seq_lens: torch.Tensor, query_start_loc: torch.Tensor, codec: BandRows, *,
                              scaling: float, sinks: int, window: int, out: torch.Tensor,
-                             prefill: LogitAttention | None = None) -> torch.Tensor:
+                             prefill: LogitAttention | None = None, max_query_len: int | None = None,
+                             max_seq_len: int | None = None, split: StepSplit | None = None) -> torch.Tensor:
     """query [T, Σ_h d_k(g(h))] -> out [T, Σ_h d_v(g(h))]: each request's queries over its cached tokens, the
     step's codes already written to `kv` (kernels.paged's layout, rows written by `codec`), its keys `key`
     [T, Σd_k] and values `value` [T, Σd_v] not yet in the ring (written by write_ring after this call).
-    `prefill`: a faster causal attention with an extra key (window_prefill.LogitAttention), SDPA where None."""
+    `prefill`: a faster causal attention with an extra key (window_prefill.LogitAttention), SDPA where None.
+    What vLLM knows on the host, where given, spares the GPU path reading the step back: `max_query_len` 1 (a step
+    of decodes) or `split` (decodes first, then the prefills: dispatch.StepSplit), and `max_seq_len`."""
     dims = codec.dims
     d_k, d_v = list(dims.d_k), list(dims.d_v)
-    split = sum(d_k)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    decoding = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+    split_at = sum(d_k)
     pages = isinstance(codec, BandPages) and paged_kernels_for(query, codec) == "triton"
-    if decoding and pages:
-        _page_decodes(query, key, value, kv, ring, ring_blocks, block_table, seq_lens, torch.tensor(decoding),
-                      torch.tensor([starts[r] for r in decoding]), max(lens[r] for r in decoding), codec,
-                      scaling=scaling, sinks=sinks, window=window, out=out)
-    elif decoding:
-        rows_kv, rows_codec = (codec.as_rows(kv), BandRows(dims)) if isinstance(codec, BandPages) else (kv, codec)
-        blocks = rows_kv.reshape(rows_kv.shape[0], -1, rows_kv.shape[-1])
-        plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), blocks.shape[1])
-        decoding = torch.tensor(decoding)
-        _decodes(query, key, value, blocks, ring, ring_blocks.cpu()[decoding], seq_lens.cpu()[decoding].long() - 1,
-                 plan, rows_codec, scaling=scaling, sinks=sinks, window=window, out=out)
-    for r, s in enumerate(lens):
-        first, t = starts[r], starts[r + 1] - starts[r]
-        if t <= 1:  # decodes: above
-            continue
+    if pages and (max_query_len == 1 or split is not None):  # decodes first: requests and query rows [0, n)
+        n = seq_lens.shape[0] if split is None else split.decodes
+        longest = max_seq_len if max_seq_len is not None else block_table.shape[1] * codec.layout.page
+        if n:
+            _page_decodes(query[:n], key[:n], value[:n], kv, ring, ring_blocks[:n], block_table[:n], seq_lens[:n],
+                          query_start_loc[:n + 1], longest, codec, scaling=scaling, sinks=sinks, window=window,
+                          out=out[:n])
+        prefills = () if split is None else split.prefills
+    else:  # the step read back from the device
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        decoding = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+        prefills = tuple((r, starts[r], starts[r + 1] - starts[r], s) for r, s in enumerate(lens)
+                         if starts[r + 1] - starts[r] > 1)
+        if decoding and pages:
+            picked, rows = torch.tensor(decoding), torch.tensor([starts[r] for r in decoding], device=query.device)
+            o = out.new_empty(len(decoding), out.shape[-1])
+            _page_decodes(query[rows], key[rows.to(key.device)], value[rows.to(value.device)], kv, ring,
+                          ring_blocks[picked.to(ring_blocks.device)], block_table[picked.to(block_table.device)],
+                          seq_lens[picked.to(seq_lens.device)], torch.arange(len(decoding) + 1, dtype=torch.int32),
+                          max(lens[r] for r in decoding), codec, scaling=scaling, sinks=sinks, window=window, out=o)
+            out[rows] = o
+        elif decoding:
+            rows_kv, rows_codec = (codec.as_rows(kv), BandRows(dims)) if isinstance(codec, BandPages) else (kv, codec)
+            blocks = rows_kv.reshape(rows_kv.shape[0], -1, rows_kv.shape[-1])
+            plan = plan_step(block_table, seq_lens.cpu(), query_start_loc.cpu(), blocks.shape[1])
+            decoding = torch.tensor(decoding)
+            _decodes(query, key, value, blocks, ring, ring_blocks.cpu()[decoding],
+                     seq_lens.cpu()[decoding].long() - 1, plan, rows_codec, scaling=scaling, sinks=sinks,
+                     window=window, out=out)
+    for r, first, t, s in prefills:
         old = s - t  # tokens cached before this step
         k, v = BandRows(dims).decode(_request_rows(kv, block_table[r], s, codec), query.dtype)  # [s, Σd_k], [s, Σd_v]
         positions = whole_positions(s, t, sinks, window).to(kv.device)  # the whole rows the step reads
         from_ring = positions < old
-        exact = torch.empty(positions.shape[0], split + sum(d_v), dtype=ring.dtype, device=ring.device)
+        exact = torch.empty(positions.shape[0], split_at + sum(d_v), dtype=ring.dtype, device=ring.device)
         held = ring[int(ring_blocks[r])]  # [capacity, ≥ Σd_k + Σd_v]
         exact[from_ring] = held[ring_slots(positions[from_ring], sinks, window), :exact.shape[-1]]
         mine = torch.cat([key[first:first + t], value[first:first + t]], -1).to(ring.dtype)
         exact[~from_ring] = mine[positions[~from_ring] - old]
-        o = windowed_prefill(query[first:first + t], k, v, exact[:, :split], exact[:, split:], d_k, d_v, dims.group,
-                             scaling=scaling, sinks=sinks, window=window, causal=prefill)
+        o = windowed_prefill(query[first:first + t], k, v, exact[:, :split_at], exact[:, split_at:], d_k, d_v,
+                             dims.group, scaling=scaling, sinks=sinks, window=window, causal=prefill)
         out[first:first + t] = o.to(out.dtype)
     return out
 
@@ -163,73 +191,19 @@ def _request_rows(kv: torch.Tensor, table_row: torch.Tensor, s: int, codec: Band
     return _gather(kv.reshape(kv.shape[0], -1, kv.shape[-1]), table_row, 0, s)
 
 
-def _page_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor,
-                  ring_blocks: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, decoding: torch.Tensor,
-                  rows: torch.Tensor, longest: int, codec: BandPages, *, scaling: float, sinks: int, window: int,
-                  out: torch.Tensor) -> None:
-    """The step's one-token requests (`decoding`, their query rows `rows`, the longest `longest` tokens) over the
-    GPU page layout: their codes part by the page kernel, their whole rows' part (_ring_part), merged."""
-    from kvfold_runtime.kernels import triton_pages  # imported only where Triton runs
+def _page_decodes(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor,
+                  ring_blocks: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, longest: int, codec: BandPages, *, scaling: float, sinks: int,
+                  window: int, out: torch.Tensor) -> None:
+    """N one-token requests (their queries q [N, ·], own keys and values, rings, block tables and lengths, query
+    rows 0..N in query_start_loc, the longest `longest` tokens) over the GPU page layout -> out [N, ·]: their codes
+    part by the page kernel, then their whole rows' part and the merge in one more launch (triton_ring)."""
+    from kvfold_runtime.kernels import triton_pages, triton_ring  # imported only where Triton runs
 
-    dev, n = query.device, decoding.shape[0]
-    rows = rows.to(dev)
-    lens = seq_lens.to(dev)[decoding.to(dev)]
-    q = query[rows]
-    o, lse = triton_pages.history_parts(
-        q, kv, block_table[decoding.to(block_table.device)], lens, torch.arange(n + 1, dtype=lens.dtype, device=dev),
-        codec.dims, scaling=scaling, sinks=sinks, window=window, max_query_len=1, max_seq_len=longest)
-    o[:, :, -1], lse[:, :, -1] = _ring_part(q, key[rows], value[rows], ring, ring_blocks[decoding.to(
-        ring_blocks.device)], lens.long() - 1, codec.dims, scaling=scaling, sinks=sinks, window=window,
-        width=o.shape[-1])
-    out[rows] = merge_parts(o, lse, codec.dims).to(out.dtype)
-
-
-def _ring_part(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, ring: torch.Tensor,
-               ring_blocks: torch.Tensor, last: torch.Tensor, dims: LayerDims, *, scaling: float, sinks: int,
-               window: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each decode's attention over its whole rows alone (query at position `last`, its row k_own / v_own not yet
-    in its ring): the ring's sinks before it and its window's older positions (the slot of `last` still holds
-    position last − window, a code), and its own row where it is whole -> (o [N, H, width] float32 normalised,
-    lse [N, H]; −inf where it saw no row)."""
-    n, f32, group = q.shape[0], torch.float32, dims.group
-    d_k, d_v = list(dims.d_k), list(dims.d_v)
-    split = sum(d_k)
-    readable = _ring_positions(last, sinks, window)[1]
-    own = (last < sinks) | (window > 0)  # the query's own row: whole inside the sinks or the window
-    held = ring[ring_blocks.to(ring.device).long()][..., :split + sum(d_v)].to(q.device, f32)  # [N, capacity, ·]
-    seen = torch.cat([readable, own[:, None]], 1)[:, None, :]  # [N, 1, capacity + 1]
-    keys = torch.cat([held, torch.cat([k_own, v_own], -1).to(f32)[:, None]], 1)  # [N, capacity + 1, ·]
-    keys = torch.where(seen[:, 0, :, None], keys, 0.0)  # an unwritten slot may hold NaN: 0 · NaN is NaN
-    # every head at once, padded to the widest (zero dims add nothing to a score or a value): on a GPU each torch
-    # call is a launch, and a loop over heads made the step's host time grow with the head count
-    qh = _by_head(q.to(f32), d_k, group)  # [N, G, group, d_k]
-    kh = _by_head(keys[..., :split], d_k)[..., 0, :].transpose(1, 2)  # [N, G, capacity + 1, d_k]
-    vh = _by_head(keys[..., split:], d_v)[..., 0, :].transpose(1, 2)
-    scores = (qh @ kh.transpose(-1, -2) * scaling).masked_fill(~seen[:, :, None], float("-inf"))
-    lse = scores.logsumexp(-1)  # [N, G, group]
-    weights = torch.nan_to_num(scores.softmax(-1))  # a query that saw no row: weights 0, not NaN
-    o = torch.nn.functional.pad(weights @ vh, (0, width - max(d_v)))
-    return o.view(n, -1, width), lse.view(n, -1)
-
-
-def _by_head(x: torch.Tensor, widths: list[int], rows: int = 1) -> torch.Tensor:
-    """[..., Σ rows·w] packed heads (each rows × w) -> [..., G, rows, widest], each head zero-padded to the widest
-    (a view when every head is as wide)."""
-    widest = max(widths)
-    if all(w == widest for w in widths):
-        return x.unflatten(-1, (len(widths), rows, widest))
-    heads = x.split([rows * w for w in widths], -1)
-    return torch.stack([torch.nn.functional.pad(h.unflatten(-1, (rows, w)), (0, widest - w))
-                        for h, w in zip(heads, widths, strict=True)], -3)
-
-
-def merge_parts(o: torch.Tensor, lse: torch.Tensor, dims: LayerDims) -> torch.Tensor:
-    """Partial attentions o [T, H, P, D] (each normalised over its own keys, dims in order) with their log-sum-exps
-    lse [T, H, P] (−inf: no key) -> the attention over all their keys, packed [T, Σ_h d_v(g(h))] float32."""
-    top = lse.amax(-1, keepdim=True)
-    weights = torch.where(lse > float("-inf"), (lse - top.clamp_min(torch.finfo(lse.dtype).min)).exp(), 0.0)
-    merged = (weights[..., None] * o).sum(2) / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(o.dtype).tiny)
-    g = dims.group
-    if all(dv == merged.shape[-1] for dv in dims.d_v):  # every head as wide as the parts: already packed
-        return merged.flatten(1)
-    return torch.cat([merged[:, h * g:(h + 1) * g, :dv].flatten(1) for h, dv in enumerate(dims.d_v)], -1)
+    dev = q.device
+    lens = seq_lens.to(dev)
+    o, lse = triton_pages.history_parts(q, kv, block_table.to(dev), lens, query_start_loc.to(dev), codec.dims,
+                                        scaling=scaling, sinks=sinks, window=window, max_query_len=1,
+                                        max_seq_len=longest)
+    triton_ring.ring_merge(q, k_own, v_own, ring, ring_blocks.to(dev), lens, o, lse, codec.dims, scaling=scaling,
+                           sinks=sinks, window=window, out=out)

@@ -196,8 +196,10 @@ class KVFoldAttentionImpl(AttentionImpl[KVFoldMetadata]):
         write_paged(kv_cache, meta.slot_mapping, k, v, codec=codec)
         windowed_paged_attention(query[:n].reshape(n, -1), k, v, kv_cache, ring, blocks, meta.block_table,
                                  meta.seq_lens, meta.query_start_loc, codec, scaling=self.scale, sinks=sinks,
-                                 window=window, out=output[:n].view(n, -1), prefill=prefill_attention)
-        write_ring(ring, blocks, meta.seq_lens, meta.query_start_loc, k, v, sinks=sinks, window=window)
+                                 window=window, out=output[:n].view(n, -1), prefill=prefill_attention,
+                                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, split=meta.split)
+        write_ring(ring, blocks, meta.seq_lens, meta.query_start_loc, k, v, sinks=sinks, window=window,
+                   max_query_len=meta.max_query_len)
         return output
 
     def _ring_rows(self, module, slot: int) -> torch.Tensor:
