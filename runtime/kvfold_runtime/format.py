@@ -77,6 +77,18 @@ class LayerDims:
     k_bands: tuple[tuple[Band, ...], ...] = ()  # per KV head, for a bits-format export; () = stored as is
     v_bands: tuple[tuple[Band, ...], ...] = ()
 
+    def __hash__(self) -> int:
+        # hashed by every kernel launch's caches (page_layout, its tables): the nested band tuples hashed once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.d_k, self.d_v, self.group, self.k_bands, self.v_bands))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # a str's hash differs between processes (a Band's scale): the cached hash never travels in a pickle
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def banded(self) -> bool:
         return bool(self.k_bands)

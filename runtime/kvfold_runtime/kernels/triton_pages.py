@@ -33,6 +33,8 @@ by triton_decode's combine kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -282,6 +284,12 @@ def _pages_kernel(q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, heads_ptr
                     PAGE, NUM_SPLITS, PARTS, BLOCK_M, BLOCK_N, NC, CH, DOT_PREC, UPCAST)
 
 
+@functools.lru_cache(maxsize=256)
+def _flat_kinds(layout) -> tuple[tuple[int, ...], ...]:
+    """The layout's kinds of head, flat (_flat), once per layout: read on every launch."""
+    return tuple(_flat(kind) for kind in layout.kinds()[0])
+
+
 def _flat(kind: tuple) -> tuple[int, ...]:
     """A kind (PageLayout.kinds: six tuples over the tile's chunks) as one flat tuple, the form every supported Triton
     passes to a jitted function as a constexpr (Triton 3.6, torch 2.11's, rejects a tuple of tuples there)."""
@@ -339,7 +347,7 @@ def _launch(query, kv, block_table, seq_lens, query_start_loc, dims: LayerDims, 
     group, g_count, tokens = dims.group, dims.num_kv_heads, query.shape[0]
     nc, ch = layout.tile_chunks, layout.chunk
     queries = max(1, min(max_query_len, 64 // group)) if max_query_len > 1 else 1
-    kinds = tuple(_flat(kind) for kind in layout.kinds()[0])
+    kinds = _flat_kinds(layout)
     parts = num_splits + (history is not None)
     if parts > 1:
         part_o = torch.empty(tokens, g_count * group, parts, nc * ch, dtype=torch.float32, device=query.device)
