@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from kvfold_runtime.bands import FIT_STEPS, Band, log8_scales
+from kvfold_runtime.format import LayerDims
 from kvfold_runtime.kernels.torch_bits import writer_tables
 from kvfold_runtime.pages import PageLayout
 
@@ -173,14 +174,20 @@ def _scatter_kernel(rows_ptr, stride_rows, slots_ptr, cache_ptr, src_ptr, dest_p
         tl.store(cache_ptr + (slot // PAGE) * page_bytes + place, byte.to(tl.uint8), mask=live)
 
 
+@functools.lru_cache(maxsize=256)
+def _layer_tables(dims: LayerDims, device: str) -> tuple[dict | None, dict | None]:
+    """A layer's key and value writer tables, keyed by its LayerDims (hashed once per process): a decode step
+    writes every layer, and keying by the band tuples hashed each of their bands on every write."""
+    return (_tables(tuple(dims.d_k), tuple(dims.k_bands), device),
+            _tables(tuple(dims.d_v), tuple(dims.v_bands), device))
+
+
 def write_pages(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> None:
     """The GPU page layout's write of a step (kernels.write_paged's contract for BandPages): keys k [N, Σ d_k] and
     values v [N, Σ d_v] encoded (bands.encode_heads' bytes) and scattered into their slots' pages of `cache`
     [num_blocks, …, P · C bytes] — three launches and a buffer, no read back to the host (a padding slot, −1, is
     skipped inside the kernel)."""
-    d = layout.dims
-    t_k = _tables(tuple(d.d_k), tuple(d.k_bands), str(k.device))
-    t_v = _tables(tuple(d.d_v), tuple(d.v_bands), str(k.device))
+    t_k, t_v = _layer_tables(layout.dims, str(k.device))
     assert t_k is not None and t_v is not None, "the page layout's bands have log8 scales"
     n = slots.shape[0]
     if n == 0:
