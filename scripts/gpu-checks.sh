@@ -27,7 +27,8 @@ echo "kernels: exit $?"
 tail -3 "$out/kernels.log"
 
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m "" -k "not test_in_the_interpreter" -p no:cacheprovider \
-  tests/runtime/test_triton_pages_window.py tests/runtime/test_triton_pages.py tests/runtime/test_triton_encode.py \
+  tests/runtime/test_cuda_graphs.py tests/runtime/test_triton_pages_window.py tests/runtime/test_triton_pages.py \
+  tests/runtime/test_triton_encode.py \
   tests/runtime/test_triton_bits.py tests/runtime/test_triton.py tests/test_devices.py > "$out/tests.log" 2>&1
 echo "tests: exit $?"
 tail -5 "$out/tests.log"
