@@ -136,15 +136,7 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
     the head's first key and value plane in a page; KIND: the head's kind (PageLayout.kinds, flat: _flat)."""
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < hi
-    # the block as segments of SEG tokens of one page each (start is a multiple of BLOCK_N): a segment's plane
-    # entries are contiguous in its page; a page past the request's end reads as page 0 (any page will do)
     SEG: tl.constexpr = min(PAGE, BLOCK_N)
-    seg = start + tl.arange(0, BLOCK_N // SEG) * SEG
-    page = tl.load(table_ptr + r.to(tl.int64) * stride_table + seg // PAGE, mask=seg < hi, other=0)
-    base = cache_ptr + page.to(tl.int64) * page_bytes
-    first = 0
-    if SEG < PAGE:
-        first = seg % PAGE
     # the keys as the dot's first operand (BLOCK_N rows; sm_90 builds use its warpgroup MMA). Heads over 64 dims make
     # both tiles in the registers the MMA reads (triton_tiles; at head_dim 128, 4 bits: 4.16 instructions and 2.31
     # shared-memory bytes a number, 3.74 and 4.31 staged; 2-bit values 4.16 against 12.07); narrower ones stage them
@@ -153,6 +145,14 @@ def _step(cache_ptr, table_ptr, k_at, v_at, qt, m_i, l_i, acc, start, hi, qpos, 
         at, tok, live = tile_rows(cache_ptr, table_ptr, r, stride_table, page_bytes, start, hi, PAGE, BLOCK_N)
         kt = mma_tile(at + k_at, tok, live, KIND, 0, NC, NC, CH, PAGE, MASKED, VALUES, BLOCK_N)
     else:
+        # the block as segments of SEG tokens of one page each (start is a multiple of BLOCK_N): a segment's plane
+        # entries are contiguous in its page; a page past the request's end reads as page 0 (any page will do)
+        seg = start + tl.arange(0, BLOCK_N // SEG) * SEG
+        page = tl.load(table_ptr + r.to(tl.int64) * stride_table + seg // PAGE, mask=seg < hi, other=0)
+        base = cache_ptr + page.to(tl.int64) * page_bytes
+        first = 0
+        if SEG < PAGE:
+            first = seg % PAGE
         kt = _tile(base + k_at, first, valid, KIND, 0, 0, NC, NC, CH, PAGE, SEG, MASKED, VALUES, BLOCK_N)
     s = tl.trans(tl.dot(kt, qt, input_precision=DOT_PREC)) * scale2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
