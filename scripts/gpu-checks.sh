@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks a CUDA machine runs for kvfold's GPU path, in one go and within a time budget: the kernel timings
-# (kvfold-bench kernels: JSON, PNG) and the Triton kernels' tests on CUDA, newest code paths first.
+# (kvfold-bench kernels: JSON, PNG), the Triton kernels' tests on CUDA (newest code paths first), then the decode
+# steps' timings replayed from CUDA graphs (kernels-graphs.json). ~11 minutes on a cold H100.
 #
 #   scripts/gpu-checks.sh OUT [EXPORT]
 #
@@ -32,3 +33,10 @@ timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m "" -k "not test_in_the_i
   tests/runtime/test_triton_bits.py tests/runtime/test_triton.py tests/test_devices.py > "$out/tests.log" 2>&1
 echo "tests: exit $?"
 tail -5 "$out/tests.log"
+
+# last, the same decode steps replayed from CUDA graphs (what the backend would gain by declaring CUDA-graph support);
+# a separate run, so that a step that cannot be captured costs none of the figures above
+timeout "${GRAPHS_TIMEOUT:-240}" python3 -m kvfold_bench kernels ${export_dir:+--export "$export_dir"} --reps 10 \
+  --graphs --json "$out/kernels-graphs.json" > "$out/kernels-graphs.log" 2>&1
+echo "kernels --graphs: exit $?"
+tail -3 "$out/kernels-graphs.log"

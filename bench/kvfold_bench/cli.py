@@ -21,8 +21,7 @@ from kvfold.sources.embedded import cache_root
 # Each benchmark module (torch, transformers, vLLM) is imported inside its command, so --help answers at once.
 
 app = typer.Typer(help="Benchmarks: every figure measured in the run, as JSON.", add_completion=False,
-                  rich_markup_mode="markdown",
-                  pretty_exceptions_enable=False, no_args_is_help=True)
+                  rich_markup_mode="markdown", pretty_exceptions_enable=False, no_args_is_help=True)
 
 
 @app.callback()
@@ -119,11 +118,12 @@ def kernels(
                                             "int4_per_token_head decode) for this GPU arch (sm_90) without a GPU "
                                             "and report SASS instructions per cached number, registers, spills, "
                                             "loads (kvfold_bench.aot).")] = None,
+    graphs: Annotated[bool, typer.Option("--graphs", help="Also time the page-layout decode steps and SDPA "
+                                         "replayed from CUDA graphs (vLLM's full CUDA-graph mode).")] = False,
 ) -> None:
-    """GPU attention time: uncompressed torch SDPA vs kvfold's Triton kernels (plain and load-balanced) vs
-    kvfold's torch path, decode B in {1, 16, 64} x S in {4K, 32K} and prefill 4K/16K, at p = 0.25 / 0.5
-    uniform and uneven (Llama-3-8B layer shapes) and an export's widths. With --aot sm_90: the kernels' compiled
-    code instead, on any machine."""
+    """GPU attention time: uncompressed torch SDPA vs kvfold's Triton kernels and torch path, decode B in {1, 16,
+    64} x S in {4K, 32K} and prefill 4K/16K, rank layers (p = 0.25 / 0.5, Llama-3-8B shapes), bits layers in rows
+    and pages, an export's widths. With --aot sm_90: the kernels' compiled code instead, on any machine."""
     from kvfold_bench.kernels import bench_kernels, draw
     from kvfold_bench.outputs import check_paths, write_outputs
 
@@ -144,7 +144,7 @@ def kernels(
             from kvfold_bench.frontier.plot import pyplot
 
             pyplot()
-        report = bench_kernels(export, dtype, smoke, reps)
+        report = bench_kernels(export, dtype, smoke, reps, graphs)
         write_outputs(report, json_out, png, draw)
     if json_out is None:
         print(json.dumps(report, indent=2))

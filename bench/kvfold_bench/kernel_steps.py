@@ -1,6 +1,7 @@
 """The decode steps `kvfold-bench kernels` times as vLLM's backend runs them on a GPU for a bits layer in the page
 layout: a plain layer's (paged_step) and a windowed layer's (windowed_step). Each returns a function running one
-step, host work and every launch included, over a cache kernels._pages made."""
+step, host work and every launch included, over a cache kernels._pages made; `graphed` turns such a step into the
+replay of a CUDA graph that captured it, as vLLM's full CUDA-graph mode runs a batch of decodes."""
 
 from __future__ import annotations
 
@@ -61,3 +62,18 @@ def windowed_step(layer: LayerWidths, q, kv, table, lens, starts, s: int, scalin
                                  sinks=sinks, window=window, out=out, max_query_len=1, max_seq_len=s)
         write_ring(ring, blocks, lens, starts, key, value, sinks=sinks, window=window, max_query_len=1)
     return step
+
+
+def graphed(step):
+    """The replay of a CUDA graph that captured `step` (run twice first on a side stream: kernels compiled, tables
+    built, as vLLM warms up before it captures). Raises where the step cannot be captured (a read back to the host)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay

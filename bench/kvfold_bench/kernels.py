@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import kvfold
 from kvfold.errors import KVFoldError
-from kvfold_bench.kernel_steps import PAGE, paged_step, windowed_step
+from kvfold_bench.kernel_steps import PAGE, graphed, paged_step, windowed_step
 from kvfold_runtime import MANIFEST, LayerDims, head_dim, model_dims
 from kvfold_runtime.pages import aligned
 
@@ -197,11 +197,15 @@ def _timer(device: torch.device):
     return run
 
 
-def _time_sdpa(rand, b: int, h: int, g: int, t: int, s: int, d: int, timed, reps: int) -> float:
+def _time_sdpa(rand, b: int, h: int, g: int, t: int, s: int, d: int, timed, reps: int,
+               graph: bool = False) -> float | tuple[float, float]:
     """Uncompressed: q [B, H, T, d], k/v [B, G, S, d] with GQA, the path transformers' sdpa runs (its tensors
-    are freed on return, before the compressed ones are made)."""
+    are freed on return, before the compressed ones are made). `graph`: also its time replayed from a CUDA graph."""
     q, k, v = rand(b, h, t, d), rand(b, g, s, d), rand(b, g, s, d)
-    return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True), reps)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+    return (timed(sdpa, reps), timed(graphed(sdpa), reps)) if graph else timed(sdpa, reps)
 
 
 def _time_into(row: dict, name: str, fn, t_sdpa: float, timed, reps: int) -> float:
@@ -211,7 +215,7 @@ def _time_into(row: dict, name: str, fn, t_sdpa: float, timed, reps: int) -> flo
     return t
 
 
-def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: int) -> dict:
+def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: int, graphs: bool = False) -> dict:
     import kvfold_runtime as rt
 
     g, d, h = len(layer.d_k), layer.head_dim, layer.num_heads
@@ -221,9 +225,14 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
     scaling = d ** -0.5
-    t_sdpa = _time_sdpa(rand, b, h, g, 1, s, d, timed, reps)
+    graphs = graphs and layer.dims.banded and aligned(layer.dims)  # the page layout's steps, as vLLM would capture
+    t_sdpa = _time_sdpa(rand, b, h, g, 1, s, d, timed, reps, graph=graphs)
+    if graphs:
+        t_sdpa, t_sdpa_graph = t_sdpa
     row = {"kind": "decode", "layer": layer.name, "p": round(layer.p, 4), "batch": b, "context": s,
            "sdpa_us": round(t_sdpa * 1e6, 1), "ideal_ratio": round(1 - layer.p, 4)}
+    if graphs:
+        row["sdpa_graph_us"] = round(t_sdpa_graph * 1e6, 1)
     q = rand(b, 1, layer.group * sum(layer.d_k))
     if layer.dims.banded:
         k_rows, v_rows = _bits_rows(layer, b, s, device, gen)
@@ -244,6 +253,14 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
                                                                           s, scaling, gen), t_sdpa, timed, reps)
             _time_into(row, "kvfold_triton_pages_step", paged_step(layer, q[:, 0], kv, table, lens, starts, s,
                                                                     scaling, gen), t_sdpa, timed, reps)
+            if graphs:  # each step replayed from a CUDA graph, against SDPA's replay: launches and host work gone
+                for name, make in (("window", windowed_step), ("step", paged_step)):
+                    try:
+                        replay = graphed(make(layer, q[:, 0], kv, table, lens, starts, s, scaling, gen))
+                    except RuntimeError as e:  # a step that cannot be captured: why, in the row
+                        row[f"kvfold_triton_pages_{name}_graph_error"] = str(e).splitlines()[0][:300]
+                        continue
+                    _time_into(row, f"kvfold_triton_pages_{name}_graph", replay, t_sdpa_graph, timed, reps)
         row["sdpa_tb_per_s"] = round(b * s * 2 * g * d * q.element_size() / t_sdpa / 1e12, 3)
         return row
     k, v = rand(b, s, sum(layer.d_k)), rand(b, s, sum(layer.d_v))
@@ -285,8 +302,10 @@ def _prefill_row(layer: LayerWidths, t: int, dtype, device, timed, reps: int) ->
     return row
 
 
-def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> dict:
+def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int, graphs: bool = False) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if graphs and device.type != "cuda":
+        raise KVFoldError("--graphs replays the decode steps from CUDA graphs: run it on a GPU (or leave it out)")
     if device.type != "cuda" and not smoke:
         raise KVFoldError("kvfold-bench kernels times GPU kernels and this machine has no CUDA device; run it on "
                           "a GPU (or pass --smoke for a tiny functional run)")
@@ -305,7 +324,7 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
     rows = []
     for layer in layers:
         for b, s in (SMOKE_DECODE if smoke else DECODE):
-            rows.append(_decode_row(layer, b, s, torch_dtype, device, timed, reps))
+            rows.append(_decode_row(layer, b, s, torch_dtype, device, timed, reps, graphs))
         for t in (SMOKE_PREFILL if smoke else PREFILL):
             rows.append(_prefill_row(layer, t, torch_dtype, device, timed, reps))
     return {
@@ -325,7 +344,9 @@ def bench_kernels(export: Path | None, dtype: str, smoke: bool, reps: int) -> di
                   "64-token window whole in a ring, the rest from the pages), its whole step as vLLM's backend runs "
                   "it (the new token's codes and ring row written, the attention); "
                   "kvfold_triton_pages_step: a plain layer's whole step as the backend runs it (the new token encoded "
-                  "into its page slot, then the attention: host work and every launch)"],
+                  "into its page slot, then the attention: host work and every launch)",
+                  "--graphs: *_graph: the same steps replayed from a CUDA graph (vLLM's full CUDA-graph mode, not "
+                  "declared by kvfold's backend yet), their ratio against SDPA's replay (sdpa_graph_us)"],
     }
 
 

@@ -38,6 +38,8 @@ def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
     assert_user_error(run("kernels", "--json", tmp_path / "k.json"), "has no CUDA device",
                       tmp_path / "k.json")
     assert_user_error(run("kernels", "--json", tmp_path / "no" / "k.json"), "does not exist")
+    assert_user_error(run("kernels", "--smoke", "--graphs", "--json", tmp_path / "g.json"), "--graphs replays",
+                      tmp_path / "g.json")
 
 
 def test_a_smoke_run_writes_json_and_png(tiny_dirs, tmp_path):
