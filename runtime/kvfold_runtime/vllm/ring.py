@@ -88,12 +88,16 @@ class RingMetadata:
 class _RingMetadataBuilder(AttentionMetadataBuilder[RingMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # one buffer for every step, at one address: a kernel launch captured in a CUDA graph reads it where it was
+        self._blocks = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RingMetadata:
         m = common_attn_metadata
-        # one contiguous int32 copy a step, as the C decode reads it (not one per layer)
-        return RingMetadata(m.block_table_tensor[:m.num_reqs, 0].to(torch.int32).contiguous())
+        # one contiguous int32 copy a step, as the C decode and the ring kernel read it (not one per layer)
+        blocks = self._blocks[:m.num_reqs]
+        blocks.copy_(m.block_table_tensor[:m.num_reqs, 0])
+        return RingMetadata(blocks)
 
 
 class KVFoldRingBackend(AttentionBackend):
