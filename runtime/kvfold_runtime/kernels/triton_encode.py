@@ -1,6 +1,7 @@
 """A bits layer's step written on a GPU in a few launches: its band codes (bands.encode_heads' bytes exactly) in one
-launch a side, where the table-driven torch writer (torch_bits._encode) is ~125 small ops a side, each a launch on a
-GPU (~250 a layer's decode step, more time than the step's attention at small batches); and, for the GPU page layout
+launch (keys and values together for the page layout), where the table-driven torch writer (torch_bits._encode) is
+~125 small ops a side, each a launch on a GPU (~250 a layer's decode step, more time than the step's attention at
+small batches); and, for the GPU page layout
 (kvfold_runtime.pages), those rows scattered into their slots' pages in one more; any other cache's rows (a rank
 layer's numbers, a windowed layer's codes) copied to their slots in one. Padding slots (−1) are skipped inside the
 kernels: a boolean mask would make the host wait for the GPU at every layer.
@@ -62,16 +63,20 @@ def _band_errors(x, quantized, half, top, of_band, member, byte, scales_ptr):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, stride_x, out_ptr, stride_out, heads_ptr, band_ptr, kind_ptr, half_ptr, top_ptr, shift_ptr,
-                   lo_ptr, hi_ptr, levels_ptr, scale_at_ptr, scales_ptr, FIT: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_B: tl.constexpr):
-    """Program (t, g): token t's head g (heads [G, 4]: its first dim, width, first band, band count)."""
+def _encode_kernel(x_ptr, stride_x, y_ptr, stride_y, split, out_ptr, stride_out, heads_ptr, band_ptr, kind_ptr,
+                   half_ptr, top_ptr, shift_ptr, lo_ptr, hi_ptr, levels_ptr, scale_at_ptr, scales_ptr,
+                   FIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program (t, g): token t's head g (heads [G, 4]: its first dim, width, first band, band count). The dims are
+    x's columns, then from `split` on y's (a layer's keys and values in one launch)."""
     t, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     first, width = tl.load(heads_ptr + 4 * g), tl.load(heads_ptr + 4 * g + 1)
     first_band, num_bands = tl.load(heads_ptr + 4 * g + 2), tl.load(heads_ptr + 4 * g + 3)
     live = tl.arange(0, BLOCK_D) < width
     d = first + tl.arange(0, BLOCK_D)
-    x = tl.load(x_ptr + t * stride_x + d, mask=live, other=0.0).to(tl.float32)
+    if first >= split:  # a head of y's (a head's dims lie in one of the two)
+        x = tl.load(y_ptr + t * stride_y + (d - split), mask=live, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + t * stride_x + d, mask=live, other=0.0).to(tl.float32)
     kind = tl.load(kind_ptr + d, mask=live, other=0)  # 1: a code, 2: float16 bits, 0: nothing stored
     quantized = kind == 1
     half = tl.load(half_ptr + d, mask=live, other=0.0)
@@ -141,14 +146,20 @@ def encode_rows_triton(x: torch.Tensor, widths: tuple[int, ...], bands: tuple[tu
     return out.to(torch.uint8).view(*x.shape[:-1], t["row_bytes"])
 
 
-def _encode_into(flat: torch.Tensor, t: dict, out: torch.Tensor) -> None:
-    """Add the codes of rows flat [N, D] into out [N, ≥ row bytes] int32 (zeros where they go)."""
+def _encode_into(flat: torch.Tensor, t: dict, out: torch.Tensor, then: torch.Tensor | None = None) -> None:
+    """Add the codes of rows flat [N, D] (then, where given, of `then` [N, D′]: its columns follow flat's in the
+    tables) into out [N, ≥ row bytes] int32 (zeros where they go), in one launch."""
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
+    if then is None:
+        then = flat
+    elif then.stride(-1) != 1:
+        then = then.contiguous()
     _encode_kernel[(flat.shape[0], t["heads"].shape[0])](
-        flat, flat.stride(0), out, out.stride(0), t["heads"], t["band"], t["kind"], t["half"], t["top"], t["shift"],
-        t["lo"], t["hi"], t["levels"], t["scale_at"], t["scales"], FIT=FIT_STEPS,
-        BLOCK_D=triton.next_power_of_2(t["widest"]), BLOCK_B=triton.next_power_of_2(max(1, t["most_bands"])))
+        flat, flat.stride(0), then, then.stride(0), flat.shape[1] if then is not flat else 1 << 30, out,
+        out.stride(0), t["heads"], t["band"], t["kind"], t["half"], t["top"], t["shift"], t["lo"], t["hi"],
+        t["levels"], t["scale_at"], t["scales"], FIT=FIT_STEPS, BLOCK_D=triton.next_power_of_2(t["widest"]),
+        BLOCK_B=triton.next_power_of_2(max(1, t["most_bands"])))
 
 
 @triton.jit
@@ -175,26 +186,24 @@ def _scatter_kernel(rows_ptr, stride_rows, slots_ptr, cache_ptr, src_ptr, dest_p
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_tables(dims: LayerDims, device: str) -> tuple[dict | None, dict | None]:
-    """A layer's key and value writer tables, keyed by its LayerDims (hashed once per process): a decode step
-    writes every layer, and keying by the band tuples hashed each of their bands on every write."""
-    return (_tables(tuple(dims.d_k), tuple(dims.k_bands), device),
-            _tables(tuple(dims.d_v), tuple(dims.v_bands), device))
+def _layer_tables(dims: LayerDims, device: str) -> dict | None:
+    """A layer's writer tables, its value heads after its key heads (a row is the keys' bytes, then the values'),
+    keyed by its LayerDims (hashed once per process): a decode step writes every layer."""
+    return _tables(tuple(dims.d_k) + tuple(dims.d_v), tuple(dims.k_bands) + tuple(dims.v_bands), device)
 
 
 def write_pages(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PageLayout) -> None:
     """The GPU page layout's write of a step (kernels.write_paged's contract for BandPages): keys k [N, Σ d_k] and
     values v [N, Σ d_v] encoded (bands.encode_heads' bytes) and scattered into their slots' pages of `cache`
-    [num_blocks, …, P · C bytes] — three launches and a buffer, no read back to the host (a padding slot, −1, is
+    [num_blocks, …, P · C bytes] — a zeroed buffer and two launches, no read back to the host (a padding slot, −1, is
     skipped inside the kernel)."""
-    t_k, t_v = _layer_tables(layout.dims, str(k.device))
-    assert t_k is not None and t_v is not None, "the page layout's bands have log8 scales"
+    tables = _layer_tables(layout.dims, str(k.device))
+    assert tables is not None and tables["row_bytes"] == layout.row_bytes, "the page layout's bands: log8 scales"
     n = slots.shape[0]
     if n == 0:
         return
     rows = torch.zeros(n, layout.row_bytes, dtype=torch.int32, device=k.device)
-    _encode_into(k.reshape(n, -1), t_k, rows)
-    _encode_into(v.reshape(n, -1), t_v, rows[:, t_k["row_bytes"]:])
+    _encode_into(k.reshape(n, -1), tables, rows, then=v.reshape(n, -1))
     src, dest = layout.token_maps(k.device)
     block_c = min(512, triton.next_power_of_2(layout.row_bytes))
     _scatter_kernel[(n, triton.cdiv(layout.row_bytes, block_c))](
