@@ -13,6 +13,10 @@ On a CPU a request takes seconds to minutes, so a run is resumable at two levels
 every (model, task, length) it already holds at that many samples (the JSON is written after each, atomically), and
 within one, lm-eval's own request cache (its `use_cache`, one SQLite file per model's files and served dtype under
 $KVFOLD_CACHE/ruler) answers the requests a stopped run already sent, so it resumes at the next one.
+
+Each cell keeps its per-sample scores, so the two models compare sample by sample (`export_higher`,
+`original_higher`: at 50 samples one sample is 2 points); a JSON written without them gets them from the request
+cache on its next run.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
                           f"{', '.join(OFFLINE_TASKS)}")
     report = _resumed(json_path, export, original, samples, dtype or SERVER_DEFAULT)
     models = {name: path for name, path in (("original", original), ("export", export)) if only in (None, name)}
+    if json_path is not None and _backfill(report, models, dtype):
+        write_outputs(report, json_path, None, None)
     todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
             for name in models}
     serving = {name: path for name, path in models.items() if todo[name]}
@@ -54,8 +60,9 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
             cache = _request_cache(models[name], dtype) if json_path is not None else None
             for task, n in todo[name]:
                 t0 = time.perf_counter()
-                score = _evaluate(base, models[name], task, n, samples, cache)
-                cell = {"score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 1)}
+                score, each = _evaluate(base, models[name], task, n, samples, cache)
+                cell = {"score": score, "samples": samples, "seconds": round(time.perf_counter() - t0, 1),
+                        "per_sample": each}
                 report["scores"].setdefault(name, {}).setdefault(task, {})[str(n)] = cell
                 report["points"] = _points(report["scores"])
                 if json_path is not None:
@@ -73,8 +80,31 @@ def _request_cache(model: Path, dtype: str | None) -> str:
     return str(folder / key)
 
 
-def _evaluate(base: str, model: Path, task: str, length: int, samples: int, cache: str | None = None) -> float:
-    """lm-eval's score of one task at one length through the server at `base`, its answers cached at `cache`."""
+def _backfill(report: dict, models: dict, dtype: str | None) -> bool:
+    """Each held cell's per-sample scores where it has none (a JSON written before they were kept), read from
+    lm-eval's request cache with no server (a cell whose answers are not all cached keeps none). True if any."""
+    filled = False
+    for name, path in models.items():
+        for task, by_length in report["scores"].get(name, {}).items():
+            for n, cell in by_length.items():
+                if "per_sample" in cell:
+                    continue
+                try:  # nothing listens at port 9: a request missing from the cache fails at once
+                    score, each = _evaluate("http://127.0.0.1:9", path, task, int(n), cell["samples"],
+                                            _request_cache(path, dtype))
+                except Exception:  # lm-eval's own errors for a request it could not send
+                    continue
+                if score == cell["score"]:
+                    cell["per_sample"], filled = each, True
+    if filled:
+        report["points"] = _points(report["scores"])
+    return filled
+
+
+def _evaluate(base: str, model: Path, task: str, length: int, samples: int,
+              cache: str | None = None) -> tuple[float, list[float]]:
+    """lm-eval's score of one task at one length through the server at `base`, its answers cached at `cache`, and
+    each sample's score (by lm-eval's document order)."""
     import lm_eval
     import lm_eval.tasks
 
@@ -88,12 +118,13 @@ def _evaluate(base: str, model: Path, task: str, length: int, samples: int, cach
     manager = lm_eval.tasks.TaskManager(include_path=str(ruler_dir), include_defaults=False, metadata=args | metadata) \
         if ruler_dir.is_dir() else None
     out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task], limit=samples,
-                                  metadata=metadata, task_manager=manager, log_samples=False, bootstrap_iters=0,
+                                  metadata=metadata, task_manager=manager, log_samples=True, bootstrap_iters=0,
                                   use_cache=cache)
     value = out["results"][task].get(f"{length},none")
     if not isinstance(value, (int, float)):
         raise KVFoldError(f"lm-eval gave no {length}-token score for {task}: {out['results'][task]}")
-    return round(float(value), 4)
+    each = [round(float(s[str(length)]), 4) for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])]
+    return round(float(value), 4), each
 
 
 def _points(scores: dict) -> list[dict]:
@@ -103,8 +134,13 @@ def _points(scores: dict) -> list[dict]:
         for n, cell in by_length.items():
             other = scores.get("export", {}).get(task, {}).get(n)
             if other is not None:
-                rows.append({"task": task, "length": int(n), "original": cell["score"], "export": other["score"],
-                             "export_minus_original_points": round(100 * (other["score"] - cell["score"]), 2)})
+                row = {"task": task, "length": int(n), "original": cell["score"], "export": other["score"],
+                       "export_minus_original_points": round(100 * (other["score"] - cell["score"]), 2)}
+                a, b = cell.get("per_sample"), other.get("per_sample")
+                if a and b and len(a) == len(b):  # paired: the samples one model scored higher on than the other
+                    row["export_higher"] = sum(y > x for x, y in zip(a, b, strict=True))
+                    row["original_higher"] = sum(x > y for x, y in zip(a, b, strict=True))
+                rows.append(row)
     return rows
 
 

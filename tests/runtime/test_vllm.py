@@ -316,9 +316,12 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
     report = json.loads(out.read_text())
     cells = {name: report["scores"][name]["niah_single_1"]["1024"] for name in ("original", "export")}
     assert all(0.0 <= c["score"] <= 1.0 and c["samples"] == 1 and c["seconds"] > 0 for c in cells.values())
+    assert all(c["per_sample"] == [c["score"]] for c in cells.values())  # one sample: its score is the cell's
     (point,) = report["points"]
     assert point["export_minus_original_points"] == pytest.approx(
         100 * (cells["export"]["score"] - cells["original"]["score"]), abs=0.01)
+    e, o = cells["export"]["score"], cells["original"]["score"]
+    assert (point["export_higher"], point["original_higher"]) == (e > o, o > e)
     t = time.perf_counter()
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0 and json.loads(out.read_text()) == report
@@ -330,7 +333,14 @@ def test_ruler_bench_scores_both_models_through_lm_eval_and_resumes(smollm2_expo
     caches = [ruler._request_cache(m, "float32") for m in (Path(report["original"]), export)]
     assert all(len(SqliteDict(c + "_rank0.db")) == 1 for c in caches)  # lm-eval's file name for its use_cache
     again = ruler._evaluate("http://127.0.0.1:9", export, "niah_single_1", 1024, 1, caches[1])  # no server there
-    assert again == cells["export"]["score"]
+    assert again == (cells["export"]["score"], cells["export"]["per_sample"])
+    # a JSON written before cells kept their samples: the next run fills them in from the cache, no server started
+    old = json.loads(out.read_text())
+    for cell in (old["scores"][name]["niah_single_1"]["1024"] for name in ("original", "export")):
+        del cell["per_sample"]
+    out.write_text(json.dumps(old))
+    filled = CliRunner().invoke(app, args)
+    assert filled.exit_code == 0 and json.loads(out.read_text()) == report
 
 
 @pytest.mark.slow
