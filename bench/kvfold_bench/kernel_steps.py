@@ -1,7 +1,8 @@
 """The decode steps `kvfold-bench kernels` times as vLLM's backend runs them on a GPU for a bits layer in the page
 layout: a plain layer's (paged_step) and a windowed layer's (windowed_step). Each returns a function running one
-step, host work and every launch included, over a cache kernels._pages made; `graphed` turns such a step into the
-replay of a CUDA graph that captured it, as vLLM's full CUDA-graph mode runs a batch of decodes."""
+step, host work and every launch included, over a cache kernels._pages made, and returning its output buffer;
+`graphed` turns such a step into the replay of a CUDA graph that captured it, as vLLM's full CUDA-graph mode runs a
+batch of decodes."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def paged_step(layer: LayerWidths, q, kv, table, lens, starts, s: int, scaling: 
 
     def step():
         write_paged(kv, slots, key, value, codec=codec)
-        paged(q, kv, table, lens, starts, list(d.d_k), list(d.d_v), d.group, scaling=scaling, out=out, codec=codec,
-              max_query_len=1, max_seq_len=s)
+        return paged(q, kv, table, lens, starts, list(d.d_k), list(d.d_v), d.group, scaling=scaling, out=out,
+                     codec=codec, max_query_len=1, max_seq_len=s)
     return step
 
 
@@ -61,6 +62,7 @@ def windowed_step(layer: LayerWidths, q, kv, table, lens, starts, s: int, scalin
         windowed_paged_attention(q, key, value, kv, ring, blocks, table, lens, starts, codec, scaling=scaling,
                                  sinks=sinks, window=window, out=out, max_query_len=1, max_seq_len=s)
         write_ring(ring, blocks, lens, starts, key, value, sinks=sinks, window=window, max_query_len=1)
+        return out
     return step
 
 
