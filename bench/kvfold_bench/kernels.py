@@ -198,14 +198,15 @@ def _timer(device: torch.device):
 
 
 def _time_sdpa(rand, b: int, h: int, g: int, t: int, s: int, d: int, timed, reps: int,
-               graph: bool = False) -> float | tuple[float, float]:
+               graph: bool = False) -> tuple[float, float | None]:
     """Uncompressed: q [B, H, T, d], k/v [B, G, S, d] with GQA, the path transformers' sdpa runs (its tensors
-    are freed on return, before the compressed ones are made). `graph`: also its time replayed from a CUDA graph."""
+    are freed on return, before the compressed ones are made); and with `graph` its time replayed from a CUDA graph
+    (else None)."""
     q, k, v = rand(b, h, t, d), rand(b, g, s, d), rand(b, g, s, d)
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
-    return (timed(sdpa, reps), timed(graphed(sdpa), reps)) if graph else timed(sdpa, reps)
+    return timed(sdpa, reps), timed(graphed(sdpa), reps) if graph else None
 
 
 def _time_into(row: dict, name: str, fn, t_sdpa: float, timed, reps: int) -> float:
@@ -226,9 +227,7 @@ def _decode_row(layer: LayerWidths, b: int, s: int, dtype, device, timed, reps: 
 
     scaling = d ** -0.5
     graphs = graphs and layer.dims.banded and aligned(layer.dims)  # the page layout's steps, as vLLM would capture
-    t_sdpa = _time_sdpa(rand, b, h, g, 1, s, d, timed, reps, graph=graphs)
-    if graphs:
-        t_sdpa, t_sdpa_graph = t_sdpa
+    t_sdpa, t_sdpa_graph = _time_sdpa(rand, b, h, g, 1, s, d, timed, reps, graph=graphs)
     row = {"kind": "decode", "layer": layer.name, "p": round(layer.p, 4), "batch": b, "context": s,
            "sdpa_us": round(t_sdpa * 1e6, 1), "ideal_ratio": round(1 - layer.p, 4)}
     if graphs:
@@ -285,7 +284,7 @@ def _prefill_row(layer: LayerWidths, t: int, dtype, device, timed, reps: int) ->
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
     scaling = d ** -0.5
-    t_sdpa = _time_sdpa(rand, 1, h, g, t, t, d, timed, reps)
+    t_sdpa, _ = _time_sdpa(rand, 1, h, g, t, t, d, timed, reps)
     row = {"kind": "prefill", "layer": layer.name, "p": round(layer.p, 4), "tokens": t,
            "sdpa_us": round(t_sdpa * 1e6, 1), "flop_ratio": round(layer.flop_ratio, 4)}
     q = rand(1, t, layer.group * sum(layer.d_k))
