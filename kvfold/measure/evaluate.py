@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -30,6 +31,11 @@ __all__ = ["TOP_K", "Evaluator", "Reference", "score_model"]
 # bfloat16 as the perturbation): the binned KL is 76% of the full KL with 16 tokens, 95% with 256, 98%
 # with 1024.
 TOP_K = 1024
+
+# The standard errors treat each window's sums as one sample. Shorter blocks would give more samples, but
+# neighbouring blocks of a long text share their documents: on Qwen2.5-Coder-1.5B's 4,096-token windows the
+# perplexity ratio's standard error grew from 512-token blocks to whole windows by 1.5–1.7× (research/block_se.py,
+# docs/block-se-qwen.json), so blocks would understate it. `block` exists for that measurement.
 
 
 @dataclass(frozen=True)
@@ -130,12 +136,14 @@ def _replayed(layers: list[nn.Module], outputs: list[list] | None) -> Iterator[N
 
 
 def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against: Reference | None = None,
-                keep: Reference | None = None, description: str = "scoring", start: int = 1) -> Metrics:
+                keep: Reference | None = None, description: str = "scoring", start: int = 1,
+                block: int | None = None) -> Metrics:
     """Next-token top-1 accuracy and NLL of `model` as it runs now, over every window's tokens from position
     `start` on (each predicted from all before it; a later start scores long-context predictions only); with
     `against`, also top-1 agreement and KL divergence from that reference (kept with the same start); with
     `keep`, fill it with this run's predictions (the original's run, for later comparisons). Its progress: a
-    stage named `description`."""
+    stage named `description`. The sums behind the standard errors are kept per window, or with `block` per run
+    of at most `block` tokens of each window's scored positions."""
     start = max(1, start)
     if any(len(s) <= start for s in windows.ids):
         raise ValueError(f"score_model(start={start}) needs windows longer than {start} tokens")
@@ -154,22 +162,36 @@ def score_model(model: nn.Module, windows: Sequences, batch: int = 4, *, against
                 raise ValueError("score_model(against=...) must see the windows and batch size its reference saw")
             rows = _score_rows(logits, ids[:, start:], ref, keep is not None)
             del logits
-            hits += rows.hit.sum(-1).tolist()
-            nlls += rows.nll.double().sum(-1).tolist()
+            hits += _per_block(rows.hit, block)
+            nlls += _per_block(rows.nll.double(), block)
             if keep is not None:
                 keep.top_ids.append(rows.top_ids.cpu())
                 keep.top_logp.append(rows.top_logp.cpu())
             if ref is not None:
-                agree += rows.agree.sum(-1).tolist()
-                kls += rows.kl.double().sum(-1).tolist()
+                agree += _per_block(rows.agree, block)
+                kls += _per_block(rows.kl.double(), block)
                 token_kl.append(rows.kl.flatten().cpu())
             advance(len(ids))
-    sizes = tuple(len(s) - start for s in windows.ids)
+    cuts = [_cuts(len(s) - start, block or len(s)) for s in windows.ids]
+    sizes = tuple(b - a for c in cuts for a, b in pairwise(c))
+    parts = tuple(p for p, c in zip(windows.parts, cuts, strict=True) for _ in c[1:]) if windows.parts else ()
     count = sum(sizes)
     p99 = torch.quantile(torch.cat(token_kl).double(), 0.99).item() if token_kl else float("nan")
     return Metrics(top1=sum(hits) / count, nll=sum(nlls) / count, tokens=count, correct=tuple(hits),
                    window_tokens=sizes, window_nll=tuple(nlls), window_agree=tuple(agree), window_kl=tuple(kls),
-                   kl_p99=p99, window_part=tuple(windows.parts))
+                   kl_p99=p99, window_part=parts)
+
+
+def _cuts(n: int, block: int) -> list[int]:
+    """Where a window's n scored positions are cut into blocks: n / ceil(n / block) tokens each (± 1)."""
+    k = -(-n // block)
+    return [round(i * n / k) for i in range(k + 1)]
+
+
+def _per_block(x: torch.Tensor, block: int | None) -> list:
+    """Sums of [B, T] per window and block of its T positions (window by window, blocks in order)."""
+    cuts = _cuts(x.shape[1], block or x.shape[1])
+    return [v for row in x for a, b in pairwise(cuts) for v in [row[a:b].sum().item()]]
 
 
 # Rows of logits turned into float32 at a time. The log-probabilities are never formed for the whole vocabulary:

@@ -108,3 +108,18 @@ def test_replaying_the_untouched_first_layers_scores_exactly_as_running_them():
     assert "forward" not in vars(first)  # the replay is undone
     with pytest.raises(ValueError, match="compare=False"):
         replay.score(probe)
+
+
+def test_scores_are_summed_per_block_of_each_windows_scored_positions():
+    """block=: each window's scored positions are cut into near-equal runs of at most `block` tokens, and the sums
+    behind the standard errors are kept per run, in order; the totals are the per-window totals."""
+    model = build_tiny("LlamaForCausalLM")
+    windows = random_sequences(VOCAB, 256, 64, seed=3)  # 4 windows of 64 tokens: 54 scored from 10
+    ref = Reference([], [])
+    whole = score_model(model, windows, batch=2, keep=ref, start=10, block=64)
+    blocks = score_model(model, windows, batch=2, keep=Reference([], []), start=10, block=20)
+    assert whole.window_tokens == (54,) * 4 and blocks.window_tokens == (18, 18, 18) * 4
+    assert sum(blocks.correct) == sum(whole.correct) and math.isclose(blocks.nll, whole.nll, rel_tol=1e-12)
+    assert [sum(blocks.window_nll[3 * w:3 * w + 3]) for w in range(4)] == pytest.approx(list(whole.window_nll))
+    again = score_model(model, windows, batch=2, against=ref, start=10, block=20)
+    assert len(again.window_kl) == len(again.window_agree) == 12 and again.ppl_ratio_se(blocks) == 0.0
