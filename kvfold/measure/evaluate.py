@@ -34,7 +34,7 @@ TOP_K = 1024
 
 # The standard errors treat each window's sums as one sample. Shorter blocks would give more samples, but
 # neighbouring blocks of a long text share their documents: on Qwen2.5-Coder-1.5B's 4,096-token windows the
-# perplexity ratio's standard error grew from 512-token blocks to whole windows by 1.5–1.7× (research/block_se.py,
+# perplexity ratio's standard error grew from 512-token blocks to whole windows by 1.6–1.75× (research/block_se.py,
 # docs/block-se-qwen.json), so blocks would understate it. `block` exists for that measurement.
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvfold.adapters import HeadLayout, get_adapter
-from kvfold.calib.tokens import random_sequences
+from kvfold.calib.tokens import Sequences, random_sequences
 from kvfold.factors import get_method
 from kvfold.factors.weights import o_proj_heads
 from kvfold.measure.evaluate import TOP_K, Evaluator, Reference, _binned_kl, score_model
@@ -123,3 +123,6 @@ def test_scores_are_summed_per_block_of_each_windows_scored_positions():
     assert [sum(blocks.window_nll[3 * w:3 * w + 3]) for w in range(4)] == pytest.approx(list(whole.window_nll))
     again = score_model(model, windows, batch=2, against=ref, start=10, block=20)
     assert len(again.window_kl) == len(again.window_agree) == 12 and again.ppl_ratio_se(blocks) == 0.0
+    mixed = Sequences(windows.ids, windows.groups, parts=[0, 1, 0, 1])  # a mixture's text per window
+    parts = score_model(model, mixed, batch=2, start=10, block=20)
+    assert parts.window_part == (0, 0, 0, 1, 1, 1) * 2 and parts.part(1).window_tokens == (18,) * 6
