@@ -73,7 +73,7 @@ FP8, AOT, PAGES_H100 = "frontier-fp8.json", "kernels-aot-sm90.json", "kernels-h1
 WINDOWED, SERVED_WINDOWED = "export-smollm2-window.json", "serve-paired-window.json"
 TTFT_WINDOWED = "ttft-smollm2-window-cpu.json"
 QWEN_WINDOWED, QWEN_VERIFIED = "export-qwen-window-auto.json", "verify-qwen-window-auto.json"
-QWEN_SERVED = "serve-qwen-window-auto.json"
+QWEN_SERVED, QWEN_E32 = "serve-qwen-window-auto.json", "verify-qwen-window-e32.json"
 M = "models/0/methods/name="  # a frontier method by name
 BITS = M + "kvfold-bits"
 
@@ -143,6 +143,7 @@ CLAIMS: list[Claim] = [
     Claim("2", QWEN_WINDOWED, "key_bits", note="keys down to 2 bits, the floor export chose"),
     Claim("10/10", QWEN_VERIFIED, ("passkey/exported/retrieved", "passkey/exported/prompts"), "count/of"),
     Claim("4.70×", QWEN_SERVED, "configurations/export:qwen-auto/vs_original/kv_token_capacity"),
+    Claim("0.184", QWEN_E32, "kv_fraction_at/4096", note="--eval-tokens 32768: four dev windows a text"),
     # Limits: the H200 kernels, every row of the JSON
     Claim("6.7–16.9×", KERNELS, "rows/*kind=decode/kvfold_triton_bits_ratio", "min–max"),
     Claim("1.6–4.4×", KERNELS, "rows/*kind=decode/kvfold_triton_ratio", "min–max"),
@@ -188,6 +189,7 @@ ALLOWED: dict[str, str] = {
     "4,096": "export's --passkey default (tokens of its pass-key prompts), a setting",
     "1,024": "export's --score-from for a windowed cache (a quarter of its 4,096-token windows), a setting",
     "0": "`--passkey 0`, an option value",
+    "32768": "`--eval-tokens 32768`, an option value (the Qwen export at 0.184: four dev windows a text)",
     "1": "batch 1: the paired decode's one request (serve-paired.json's long workload)",
 }
 
