@@ -1,4 +1,4 @@
-"""How large the blocks behind the search's standard errors must be (measure/evaluate.SE_BLOCK).
+"""How long the blocks behind the search's standard errors must be (measure/evaluate.py keeps one a window).
 
 A ratio's standard error treats its blocks of scored tokens as independent samples. Blocks too short understate it
 (neighbouring tokens' errors are correlated: the same passage, the same history); whole 4,096-token windows leave two
