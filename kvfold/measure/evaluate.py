@@ -191,7 +191,7 @@ def _cuts(n: int, block: int) -> list[int]:
 def _per_block(x: torch.Tensor, block: int | None) -> list:
     """Sums of [B, T] per window and block of its T positions (window by window, blocks in order)."""
     cuts = _cuts(x.shape[1], block or x.shape[1])
-    return [v for row in x for a, b in pairwise(cuts) for v in [row[a:b].sum().item()]]
+    return torch.stack([x[:, a:b].sum(-1) for a, b in pairwise(cuts)], 1).flatten().tolist()  # one read-back
 
 
 # Rows of logits turned into float32 at a time. The log-probabilities are never formed for the whole vocabulary:
