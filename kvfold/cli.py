@@ -97,9 +97,9 @@ def export(
                                                f"{_default('method')}.")] = None,
     eval_text: Annotated[str | None, typer.Option(
         help=f"Text the search scores on; A+B mixes texts in equal shares {_default('eval_text')}.")] = None,
-    eval_tokens: Annotated[int | None, typer.Option(help="Tokens of --eval-text to score on; more narrow the "
-                                                    "bound's standard error and may let the search go further (a "
-                                                    "4K search: 32768 gives each text four windows, ~1.6× the time) "
+    eval_tokens: Annotated[int | None, typer.Option(help="More narrow the bound's standard error and may let the "
+                                                    "search go further (a 4K search: 32768 gives each text four "
+                                                    "windows, ~1.6× the time); tokens of --eval-text to score on "
                                                     f"{_default('eval_tokens')}.")] = None,
     metric: Annotated[str | None, typer.Option(help="joint (top-1 and perplexity), top1, ppl, agree (top-1 "
                                                "agreement with the original) or kl "
