@@ -15,14 +15,15 @@ within one, lm-eval's own request cache (its `use_cache`, one SQLite file per mo
 $KVFOLD_CACHE/ruler) answers the requests a stopped run already sent, so it resumes at the next one.
 
 Each cell keeps its per-sample scores, so the two models compare sample by sample (`export_higher`,
-`original_higher`: at 50 samples one sample is 2 points); a JSON written without them gets them from the request
-cache on its next run.
+`original_higher`: at 50 samples one sample is 2 points) and the paired difference's standard error
+(`difference_se_points`); a JSON written without them gets them from the request cache on its next run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
                           f"{', '.join(OFFLINE_TASKS)}")
     report = _resumed(json_path, export, original, samples, dtype or SERVER_DEFAULT)
     models = {name: path for name, path in (("original", original), ("export", export)) if only in (None, name)}
-    if json_path is not None and _backfill(report, models, dtype):
+    if json_path is not None and (_backfill(report, models, dtype) or report["points"] != _points(report["scores"])):
+        report["points"] = _points(report["scores"])  # a JSON held, compared by this version's rows
         write_outputs(report, json_path, None, None)
     todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
             for name in models}
@@ -96,8 +98,6 @@ def _backfill(report: dict, models: dict, dtype: str | None) -> bool:
                     continue
                 if score == cell["score"]:
                     cell["per_sample"], filled = each, True
-    if filled:
-        report["points"] = _points(report["scores"])
     return filled
 
 
@@ -140,8 +140,18 @@ def _points(scores: dict) -> list[dict]:
                 if a and b and len(a) == len(b):  # paired: the samples one model scored higher on than the other
                     row["export_higher"] = sum(y > x for x, y in zip(a, b, strict=True))
                     row["original_higher"] = sum(x > y for x, y in zip(a, b, strict=True))
+                    if len(a) > 1:
+                        row["difference_se_points"] = round(100 * _paired_se(a, b), 2)
                 rows.append(row)
     return rows
+
+
+def _paired_se(a: list[float], b: list[float]) -> float:
+    """The standard error of mean(b) − mean(a) over paired samples: the spread of the per-sample differences over
+    √n. The two models answer the same prompts, so this is far narrower than the two scores' own errors combined."""
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / len(d)
+    return math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
 
 
 def _resumed(json_path: Path | None, export: Path, original: Path, samples: int, dtype: str) -> dict:
