@@ -49,9 +49,11 @@ def ruler(export: Path, original: Path, tasks: list[str], lengths: list[int], sa
                           f"{', '.join(OFFLINE_TASKS)}")
     report = _resumed(json_path, export, original, samples, dtype or SERVER_DEFAULT)
     models = {name: path for name, path in (("original", original), ("export", export)) if only in (None, name)}
-    if json_path is not None and (_backfill(report, models, dtype) or report["points"] != _points(report["scores"])):
-        report["points"] = _points(report["scores"])  # a JSON held, compared by this version's rows
-        write_outputs(report, json_path, None, None)
+    if json_path is not None:  # a JSON held: its missing per-sample scores filled, its rows this version's
+        filled, points = _backfill(report, models, dtype), report["points"]
+        report["points"] = _points(report["scores"])
+        if filled or report["points"] != points:
+            write_outputs(report, json_path, None, None)
     todo = {name: [(t, n) for t in tasks for n in lengths if str(n) not in report["scores"].get(name, {}).get(t, {})]
             for name in models}
     serving = {name: path for name, path in models.items() if todo[name]}
