@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -152,8 +153,7 @@ def _paired_se(a: list[float], b: list[float]) -> float:
     """The standard error of mean(b) − mean(a) over paired samples: the spread of the per-sample differences over
     √n. The two models answer the same prompts, so this is far narrower than the two scores' own errors combined."""
     d = [y - x for x, y in zip(a, b, strict=True)]
-    mean = sum(d) / len(d)
-    return math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return statistics.stdev(d) / math.sqrt(len(d))
 
 
 def _resumed(json_path: Path | None, export: Path, original: Path, samples: int, dtype: str) -> dict:
