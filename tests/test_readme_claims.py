@@ -55,6 +55,8 @@ HOW: dict[str, Callable[..., object]] = {
     "smallest measured point, top-1": lambda m: _smallest(m, joint=False),
     "smallest measured point, joint": lambda m: _smallest(m, joint=True),
     "CPUs in 'machine'": lambda v: int(re.search(r"(\d+) CPUs", v).group(1)),
+    "- value": lambda v: -v,
+    "rows within 2 points/of": lambda rows: (sum(abs(r["export_minus_original_points"]) <= 2 for r in rows), len(rows)),
 }
 
 
@@ -74,6 +76,7 @@ WINDOWED, SERVED_WINDOWED = "export-smollm2-window.json", "serve-paired-window.j
 TTFT_WINDOWED = "ttft-smollm2-window-cpu.json"
 QWEN_WINDOWED, QWEN_VERIFIED = "export-qwen-window-auto.json", "verify-qwen-window-auto.json"
 QWEN_SERVED, QWEN_E32 = "serve-qwen-window-auto.json", "verify-qwen-window-e32.json"
+RULER_50, RULER_100 = "ruler-qwen-4k-50.json", "ruler-qwen-4k-100.json"
 M = "models/0/methods/name="  # a frontier method by name
 BITS = M + "kvfold-bits"
 
@@ -144,6 +147,11 @@ CLAIMS: list[Claim] = [
     Claim("10/10", QWEN_VERIFIED, ("passkey/exported/retrieved", "passkey/exported/prompts"), "count/of"),
     Claim("4.70×", QWEN_SERVED, "configurations/export:qwen-auto/vs_original/kv_token_capacity"),
     Claim("0.184", QWEN_E32, "kv_fraction_at/4096", note="--eval-tokens 32768: four dev windows a text"),
+    Claim("50", RULER_50, "samples"),
+    Claim("5/6", RULER_50, "points", "rows within 2 points/of", "issue 51's tolerance: 2 points of the original"),
+    Claim("3.0", RULER_100, "points/task=niah_multikey_3/export_minus_original_points", "- value"),
+    Claim("3.0", RULER_100, "points/task=niah_multikey_3/difference_se_points"),
+    Claim("100", RULER_100, "samples"),
     # Limits: the H200 kernels, every row of the JSON
     Claim("6.7–16.9×", KERNELS, "rows/*kind=decode/kvfold_triton_bits_ratio", "min–max"),
     Claim("1.6–4.4×", KERNELS, "rows/*kind=decode/kvfold_triton_ratio", "min–max"),
